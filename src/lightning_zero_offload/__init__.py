@@ -6,7 +6,19 @@ lightning_zero_offload``.
 """
 
 from lightning_zero_offload import ops
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.cpu_adam import CPUAdam
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["ops", "__version__"]
+__all__ = ["ops", "__version__", "CPUAdam", "ZeroOffload", "ZeroOffloadConfig"]
+
+# Lightning adapter: importing the package registers strategy="zero_offload" (Trainer and Fabric).
+import importlib.util as _importlib_util  # noqa: E402
+
+if _importlib_util.find_spec("lightning") is not None:
+    from lightning_zero_offload.lightning import ZeroOffloadStrategy  # noqa: E402
+    from lightning_zero_offload.lightning import register as _register_lightning  # noqa: E402
+
+    _register_lightning()
+    __all__ += ["ZeroOffloadStrategy"]

@@ -8,15 +8,21 @@ or fp16 ``out`` tensor. Every argument is checked before anything is written.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from lightning_zero_offload.ops import _build
 from lightning_zero_offload.ops._reference import fused_adamw_reference_
 
-__all__ = ["fused_adamw_", "fused_adamw_reference_", "backend"]
+__all__ = [
+    "fused_adamw_", "fused_adamw_reference_", "backend", "available_isas", "get_isa", "force_isa"
+]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
+_F32 = (torch.float32,)
 
 
 def backend() -> str:
@@ -24,10 +30,40 @@ def backend() -> str:
     return "cpp" if _build.load() is not None else "reference"
 
 
+def available_isas() -> list[str]:
+    """SIMD paths of the compiled kernel on this CPU, best first (empty with the reference)."""
+    ext = _build.load()
+    return [] if ext is None else list(ext.available_isas())
+
+
+def get_isa() -> str:
+    """The SIMD path in use: ``"avx512"``, ``"avx2"``, ``"scalar"`` or ``"reference"``."""
+    ext = _build.load()
+    return "reference" if ext is None else ext.get_isa()
+
+
+@contextlib.contextmanager
+def force_isa(name: str) -> Iterator[None]:
+    """Use one SIMD path inside the block (process-wide; for tests and benchmarks).
+
+    All paths give bit-identical results; this exists to prove that and to measure them.
+    """
+    ext = _build.load()
+    if ext is None:
+        raise RuntimeError("force_isa: the C++ kernel is not in use (pure-torch reference backend)")
+    previous = ext.get_isa()
+    ext.set_isa(name)  # RuntimeError naming the available paths if this CPU lacks `name`
+    try:
+        yield
+    finally:
+        ext.set_isa(previous)
+
+
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
+    # Ordered cheapest-first: this runs once per tensor per call, and calls come chunk by chunk.
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"fused_adamw_: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(
             f"fused_adamw_: `{name}` is on {t.device}; the CPU optimizer needs host tensors "
             f"(move it with `.cpu()`)"
@@ -35,7 +71,7 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
     if t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"fused_adamw_: `{name}` has dtype {t.dtype}; expected one of: {names}")
-    if t.is_sparse or t.layout != torch.strided:
+    if t.layout is not torch.strided:
         raise ValueError(f"fused_adamw_: `{name}` must be a dense (strided) tensor")
     if not t.is_contiguous():
         raise ValueError(f"fused_adamw_: `{name}` must be contiguous (call `.contiguous()`)")
@@ -43,6 +79,9 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
         raise ValueError(
             f"fused_adamw_: `{name}` has {t.numel()} elements but `param` has {numel}"
         )
+
+
+_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "out")
 
 
 def check_args(
@@ -60,21 +99,28 @@ def check_args(
     out: torch.Tensor | None,
 ) -> None:
     """Raise a clear error naming the first bad argument; writes nothing."""
-    _check_tensor("param", param, (torch.float32,), None)
+    _check_tensor("param", param, _F32, None)
     n = param.numel()
     _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, (torch.float32,), n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), n)
+    _check_tensor("exp_avg", exp_avg, _F32, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, _F32, n)
     if out is not None:
         _check_tensor("out", out, _OUT_DTYPES, n)
-    tensors = [param, grad, exp_avg, exp_avg_sq] + ([out] if out is not None else [])
-    names = ["param", "grad", "exp_avg", "exp_avg_sq", "out"]
-    for i in range(len(tensors)):
-        for j in range(i + 1, len(tensors)):
-            if n and tensors[i].data_ptr() == tensors[j].data_ptr():
-                raise ValueError(f"fused_adamw_: `{names[i]}` and `{names[j]}` share memory")
+    if n:
+        spans = sorted(
+            (t.data_ptr(), t.data_ptr() + n * t.element_size(), i)
+            for i, t in enumerate((param, grad, exp_avg, exp_avg_sq, out))
+            if t is not None
+        )
+        for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                a, b = sorted((i, j))
+                raise ValueError(
+                    f"fused_adamw_: `{_NAMES[a]}` and `{_NAMES[b]}` overlap in memory; "
+                    "each must be its own buffer"
+                )
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"fused_adamw_: `step` must be an int >= 1 (the 1-based step), got {step!r}")
+        raise ValueError(f"fused_adamw_: `step` must be an int >= 1 (1-based), got {step!r}")
     if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"fused_adamw_: `betas` must be two floats in [0, 1), got {betas!r}")
     if not lr >= 0.0:
@@ -84,7 +130,7 @@ def check_args(
     if not weight_decay >= 0.0:
         raise ValueError(f"fused_adamw_: `weight_decay` must be >= 0, got {weight_decay!r}")
     if not isinstance(grad_scale, (int, float)):
-        raise TypeError(f"fused_adamw_: `grad_scale` must be a Python float, got {type(grad_scale)}")
+        raise TypeError(f"fused_adamw_: `grad_scale` must be a float, got {type(grad_scale)}")
 
 
 def fused_adamw_(

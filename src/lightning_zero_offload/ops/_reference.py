@@ -27,7 +27,10 @@ def fused_adamw_reference_(
     grad_scale: float,
     out: torch.Tensor | None,
 ) -> None:
-    """Same operation order as ``torch.optim.AdamW``/``Adam`` (single-tensor path), in fp32."""
+    """Same operation order as ``torch.optim.AdamW``/``Adam`` (single-tensor path), in fp32.
+
+    Matches the C++ kernel bit for bit.
+    """
     g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
     if weight_decay != 0.0:
         if decoupled:
@@ -38,7 +41,9 @@ def fused_adamw_reference_(
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    # torch's vectorized float sqrt is not always correctly rounded; the kernel's is (IEEE), and
+    # a float64 sqrt rounded to float32 is too, so the two agree bit for bit.
+    denom = (exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
     if out is not None:
         out.copy_(param)

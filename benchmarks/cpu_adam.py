@@ -1,0 +1,223 @@
+"""CPU side of a ZeRO-Offload step: the fused kernel against its peers, side by side, one run.
+
+  (a) fp32 gradient, AdamW update in place: ours vs ``torch._fused_adamw_`` (what
+      ``torch.optim.AdamW(fused=True)`` runs, without the optimizer's Python loop) vs
+      DeepSpeedCPUAdam when installed.
+  (b) the full CPU side: bf16 gradient in, gradient scale, AdamW, bf16 weights out. Ours (one pass)
+      vs the fastest torch composition (cast into a preallocated fp32 buffer,
+      ``torch._fused_adamw_`` with its ``grad_scale``, cast back) vs DeepSpeed's path (fp32
+      gradient, ``mul_``, DeepSpeedCPUAdam, ``copy_`` to bf16) when installed.
+  (c) a streaming probe with the access pattern of (b): the machine's ceiling for it.
+
+Byte model (what "effective GB/s" counts, per parameter): 28 B for every row. (a) reads the fp32
+gradient 4 and master, exp_avg, exp_avg_sq 12, writes those 12. (b) reads the bf16 gradient 2 and
+12, writes 12 and the bf16 weights 2; the torch composition physically moves ~40 B for the same
+work (cast 2+4, update 28, cast back 4+2), which is why it is slower. (c) moves (b)'s 28 B.
+
+    python benchmarks/cpu_adam.py                       # 10M, 50M, 200M params; 1 and 2 threads
+    python benchmarks/cpu_adam.py --sizes 2M --repeats 3  # quick
+Writes benchmarks/out/cpu_adam.json. Timings are medians over interleaved repeats (peers take
+turns, so background load hits them alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lightning_zero_offload import ops
+from lightning_zero_offload.ops import _build
+
+BYTES_PER_PARAM = 28
+LR, BETAS, EPS, WD, SCALE = 1e-4, (0.9, 0.999), 1e-8, 0.01, 0.5
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def deepspeed_adam() -> type | None:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return None
+    return DeepSpeedCPUAdam
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_peers(peers: dict[str, Callable[[], None]], repeats: int, warmup: int) -> dict:
+    for fn in peers.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(repeats):
+        for name, fn in peers.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: {"median_s": statistics.median(ts), "min_s": min(ts)}
+            for name, ts in times.items()}
+
+
+def call_overhead_us(threads: int) -> dict[str, float]:
+    """Cost of one call on a 1-element tensor: the fixed price of calling chunk by chunk."""
+    p, g, m, v = torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    out = torch.empty(1, dtype=torch.bfloat16)
+    ext = _build.load()
+    calls = {"ops.fused_adamw_": lambda: ops.fused_adamw_(p, g, m, v, step=1, lr=LR, out=out,
+                                                           num_threads=threads)}
+    if ext is not None:
+        calls["ext.fused_adamw (no checks)"] = lambda: ext.fused_adamw(
+            p, g, m, v, out, 1, LR, 0.9, 0.999, EPS, WD, True, 1.0, threads)
+    result = {}
+    for name, fn in calls.items():
+        for _ in range(200):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(5000):
+            fn()
+        result[name] = (time.perf_counter() - t0) / 5000 * 1e6
+    return result
+
+
+def bench_size(n: int, threads: int, repeats: int, warmup: int, ds_cls: type | None) -> list[dict]:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen).mul_(1e-3)
+    v = torch.rand(n, generator=gen).mul_(1e-6)
+    g32 = torch.randn(n, generator=gen).mul_(1e-2)
+    g16 = g32.to(torch.bfloat16)
+    tmp32 = torch.empty(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    step_t = torch.tensor(100.0)
+    inv_scale = torch.tensor(1.0 / SCALE)  # torch's fused op divides by its grad_scale
+    ext = _build.load()
+    kw = dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD, eps=EPS, amsgrad=False,
+              maximize=False)
+
+    def ours_a() -> None:
+        ops.fused_adamw_(p, g32, m, v, step=100, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                         num_threads=threads)
+
+    def torch_a() -> None:
+        torch._fused_adamw_([p], [g32], [m], [v], [], [step_t], **kw)
+
+    def ours_b() -> None:
+        ops.fused_adamw_(p, g16, m, v, step=100, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                         grad_scale=SCALE, out=out, num_threads=threads)
+
+    def torch_b() -> None:
+        tmp32.copy_(g16)
+        torch._fused_adamw_([p], [tmp32], [m], [v], [], [step_t], grad_scale=inv_scale, **kw)
+        out.copy_(p)
+
+    peers_a = {"ours": ours_a, "torch_fused": torch_a}
+    peers_b = {"ours": ours_b, "torch_composition": torch_b}
+    if ds_cls is not None:
+        param = torch.nn.Parameter(p)  # shares storage; DeepSpeed keeps its own moments
+        ds = ds_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+
+        def ds_a() -> None:
+            param.grad = g32
+            ds.step()
+
+        def ds_b() -> None:
+            tmp32.copy_(g16).mul_(SCALE)
+            param.grad = tmp32
+            ds.step()
+            out.copy_(p)
+
+        peers_a["deepspeed"], peers_b["deepspeed_path"] = ds_a, ds_b
+    rows = []
+    probe = None
+    if ext is not None:
+        res = time_peers({"probe": lambda: ext.stream_probe(p, m, v, g16, out, 0.0, threads)},
+                         repeats, warmup)
+        probe = res["probe"]["median_s"]
+        rows.append(_row("c", "probe", n, threads, res["probe"], None, probe))
+    for part, peers, base in (("a", peers_a, "torch_fused"), ("b", peers_b, "torch_composition")):
+        res = time_peers(peers, repeats, warmup)
+        for name, r in res.items():
+            rows.append(_row(part, name, n, threads, r, res[base]["median_s"], probe))
+    return rows
+
+
+def _row(part: str, peer: str, n: int, threads: int, r: dict, base_s: float | None,
+         probe_s: float | None) -> dict:
+    t = r["median_s"]
+    return {
+        "part": part, "peer": peer, "params": n, "threads": threads,
+        "median_ms": t * 1e3, "min_ms": r["min_s"] * 1e3,
+        "params_per_s": n / t, "eff_GBps": BYTES_PER_PARAM * n / t / 1e9,
+        "speedup_vs_torch": (base_s / t) if base_s else None,
+        "fraction_of_probe": (probe_s / t) if probe_s else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10M,50M,200M", help="comma list, e.g. 1M,50M")
+    parser.add_argument("--threads", default="1,2", help="comma list of thread counts")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent / "out" / "cpu_adam.json")
+    args = parser.parse_args(argv)
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    ds_cls = deepspeed_adam()
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu_name(), "cores": torch.get_num_threads(), "torch": torch.__version__,
+        "backend": ops.backend(), "isa": ops.get_isa(), "bytes_per_param": BYTES_PER_PARAM,
+    }
+    print(f"# {info['date']}  {info['cpu']}  torch {info['torch']}  kernel={info['backend']}"
+          f"/{info['isa']}")
+    if ds_cls is None:
+        print("# DeepSpeedCPUAdam: not installed, its rows are skipped")
+    overhead = {t: call_overhead_us(t) for t in thread_counts}
+    for t, o in overhead.items():
+        print(f"# per-call overhead, {t} thread(s): "
+              + ", ".join(f"{k} {v:.1f} us" for k, v in o.items()))
+    header = (f"{'part':4} {'peer':18} {'params':>8} {'thr':>3} {'ms':>9} {'Mparam/s':>9} "
+              f"{'GB/s@28B':>9} {'x torch':>8} {'of probe':>8}")
+    print(header)
+    rows: list[dict] = []
+    for n in sizes:
+        for t in thread_counts:
+            for r in bench_size(n, t, args.repeats, args.warmup, ds_cls):
+                rows.append(r)
+                ratio = f"{r['speedup_vs_torch']:.2f}x" if r["speedup_vs_torch"] else "-"
+                frac = f"{r['fraction_of_probe']:.0%}" if r["fraction_of_probe"] else "-"
+                print(f"{r['part']:4} {r['peer']:18} {n / 1e6:>7.0f}M {t:>3} "
+                      f"{r['median_ms']:>9.2f} {r['params_per_s'] / 1e6:>9.0f} "
+                      f"{r['eff_GBps']:>9.1f} {ratio:>8} {frac:>8}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"info": info, "call_overhead_us": overhead, "rows": rows},
+                                   indent=1))
+    print(f"# wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

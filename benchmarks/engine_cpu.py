@@ -1,0 +1,147 @@
+"""The engine on the CPU against plain fused ``torch.optim.AdamW``, in one run.
+
+Measured, for a small GPT (``benchmarks/_gpt.py``, plain torch modules):
+
+- step time (forward + backward + clip + step + zero_grad) of ``ZeroOffload(precision="32-true")``
+  vs the same model with ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_``, interleaved
+  round by round so machine noise hits both; the ratio of medians (target <= 1.05);
+- host bytes per parameter: the engine's own buffer accounting (fp32 master, moments, gradient:
+  target 16 plus staging) and the growth of the process RSS, for 1 rank and per rank for 2 ranks
+  (gloo, spawned processes; target about half of the optimizer state per rank).
+
+Writes ``benchmarks/out/engine_cpu.json``. Run alone: a shared machine adds noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+import lightning_zero_offload as zo
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from _dist import run_ranks  # noqa: E402
+from _gpt import build_gpt, gpt_config, random_batch  # noqa: E402
+
+
+def _model(args: argparse.Namespace):
+    cfg = gpt_config((args.layers, args.hidden), vocab_size=args.vocab, seq_len=args.seq)
+    return cfg, build_gpt(cfg, seed=0)
+
+
+def _groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def step_times(args: argparse.Namespace) -> dict:
+    cfg, plain = _model(args)
+    _, offl = _model(args)
+    opt = torch.optim.AdamW(_groups(plain), lr=3e-4, fused=True)
+    engine = zo.ZeroOffload(offl, torch.optim.AdamW(_groups(offl), lr=3e-4),
+                            precision="32-true", max_grad_norm=1.0,
+                            cpu_threads=torch.get_num_threads())
+    x, y = random_batch(cfg, args.batch)
+
+    def plain_step(parts: dict) -> None:
+        parts["fwd_bwd"] = _timed(lambda: plain(x, y).backward())
+        def opt_step() -> None:
+            torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        parts["opt"] = _timed(opt_step)
+
+    def engine_step(parts: dict) -> None:
+        parts["fwd_bwd"] = _timed(lambda: engine.backward(engine.module(x, y)))
+        parts["opt"] = _timed(lambda: (engine.step(), engine.zero_grad()))
+
+    runs = {"plain": [], "engine": []}
+    for i in range(args.warmup + args.steps):
+        for name, fn in (("plain", plain_step), ("engine", engine_step))[:: 1 if i % 2 else -1]:
+            parts: dict = {}
+            total = _timed(lambda fn=fn, parts=parts: fn(parts))
+            if i >= args.warmup:
+                runs[name].append({"total": total, **parts})
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    return {
+        "params": sum(p.numel() for p in plain.parameters()),
+        "median_s": med,
+        "step_time_ratio": med["engine"]["total"] / med["plain"]["total"],
+        "opt_step_ratio": med["engine"]["opt"] / med["plain"]["opt"],
+        "kernel_backend": zo.ops.backend(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def memory_probe(rank: int, world: int, args: argparse.Namespace) -> dict:
+    """Host memory of one rank: the engine's buffer accounting and the RSS growth."""
+    torch.set_num_threads(1)
+    proc = psutil.Process()
+    cfg, model = _model(args)
+    params = sum(p.numel() for p in model.parameters())
+    rss0 = proc.memory_info().rss
+    engine = zo.ZeroOffload(model, torch.optim.AdamW(_groups(model), lr=3e-4),
+                            precision=args.mem_precision, max_grad_norm=1.0, cpu_threads=1)
+    x, y = random_batch(cfg, 1, seed=rank)
+    for _ in range(2):
+        engine.backward(engine.module(x, y))
+        engine.step()
+        engine.zero_grad()
+    rss1 = proc.memory_info().rss
+    state = sum(t.numel() * t.element_size() for bufs in (
+        engine._master, engine._exp_avg, engine._exp_avg_sq, engine._grads) for t in bufs)
+    staging = 0 if engine._out_direct else sum(
+        t.numel() * t.element_size() for t in engine._out if t is not None)
+    device = sum(t.numel() * t.element_size() for t in engine._weights)
+    return {
+        "params": params,
+        "host_state_bytes_per_param": state / params,  # master + m + v + grad of this shard
+        "staging_bytes_per_param": staging / params,
+        "cpu_device_buffer_bytes_per_param": device / params,  # "device" weights live on the CPU
+        "preflight_bytes_per_param": engine.host_bytes / params,
+        "rss_growth_bytes_per_param": (rss1 - rss0) / params,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--mem-precision", default="bf16-mixed")
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "engine_cpu.json")
+    args = ap.parse_args()
+
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "speed": step_times(args)}
+    result["memory_1_rank"] = run_ranks(memory_probe, 1, args, timeout=900)[0]
+    result["memory_2_ranks"] = run_ranks(memory_probe, 2, args, timeout=900)
+    one = result["memory_1_rank"]["host_state_bytes_per_param"]
+    two = max(r["host_state_bytes_per_param"] for r in result["memory_2_ranks"])
+    result["per_rank_state_ratio_2_vs_1"] = two / one
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Train a small GPT-style causal LM with ``Trainer(strategy="zero_offload")``.
+
+The model is a randomly initialized transformers Llama (nothing is downloaded); the text is the
+Python standard library's own source, read as bytes (a byte-level vocabulary of 256, so no
+tokenizer either). It runs on whatever device exists: the fp32 master weights and AdamW state
+stay in host memory, the device holds the weights in the compute dtype. At the end it prints
+tokens/s and the peak device and host memory.
+
+    python examples/lightning_gpt.py                       # about a minute on a 2-core CPU
+    python examples/lightning_gpt.py --size 350m --precision bf16-mixed --steps 200
+    python examples/lightning_gpt.py --devices 2           # data parallel, gradients partitioned
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader, Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from lightning_zero_offload import ZeroOffloadStrategy  # importing registers "zero_offload"
+
+# hidden, layers, heads; intermediate is about 8/3 * hidden as in Llama
+SIZES = {
+    "tiny": (128, 2, 4),
+    "small": (256, 4, 4),
+    "125m": (768, 12, 12),
+    "350m": (1024, 24, 16),
+    "1b": (2048, 16, 16),
+    "3b": (3072, 26, 24),
+}
+
+
+class ByteText(Dataset):
+    """Random windows of ``seq_len + 1`` bytes from the standard library's ``.py`` files."""
+
+    def __init__(self, seq_len: int, num_samples: int, max_bytes: int = 4 << 20) -> None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for path in sorted(stdlib.glob("*.py")):
+            data = path.read_bytes()
+            chunks.append(data)
+            total += len(data)
+            if total >= max_bytes:
+                break
+        self.data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()
+        if len(self.data) <= seq_len + 1:
+            raise RuntimeError(f"found only {len(self.data)} bytes of text under {stdlib}")
+        generator = torch.Generator().manual_seed(0)
+        high = len(self.data) - seq_len - 1
+        self.starts = torch.randint(0, high, (num_samples,), generator=generator)
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = int(self.starts[i])
+        return self.data[start : start + self.seq_len + 1]
+
+
+class GPT(LightningModule):
+    def __init__(self, size: str, seq_len: int, lr: float) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        hidden, layers, heads = SIZES[size]
+        config = LlamaConfig(
+            vocab_size=256,
+            hidden_size=hidden,
+            intermediate_size=(hidden * 8 // 3 + 63) // 64 * 64,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            max_position_embeddings=seq_len,
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = self.model(input_ids=inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        self.log("loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+class Throughput(Callback):
+    """Tokens per second over the steps after ``warmup``, and the peak host RSS."""
+
+    def __init__(self, tokens_per_batch: int, warmup: int = 3) -> None:
+        self.tokens_per_batch, self.warmup = tokens_per_batch, warmup
+        self.batches, self.start = 0, None
+        self.peak_rss = 0
+        self.process = psutil.Process()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.peak_rss = max(self.peak_rss, self.process.memory_info().rss)
+        if trainer.global_step == self.warmup and self.start is None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+        elif self.start is not None:
+            self.batches += 1
+
+    def tokens_per_second(self) -> float:
+        if self.start is None or self.batches == 0:
+            return float("nan")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return self.batches * self.tokens_per_batch / (time.perf_counter() - self.start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser.add_argument(
+        "--precision",
+        choices=["32-true", "bf16-mixed", "16-mixed"],
+        default="bf16-mixed" if torch.cuda.is_available() else "32-true",
+        help="default: bf16-mixed on a GPU, 32-true on a CPU (most CPUs have no fast bf16)",
+    )
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--delayed-update", action="store_true", help="delayed parameter update")
+    args = parser.parse_args(argv)
+
+    seed_everything(0)
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    batches = args.steps * args.accumulate * args.devices
+    dataset = ByteText(args.seq_len, num_samples=batches * args.batch_size)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    model = GPT(args.size, args.seq_len, args.lr)
+    params = sum(p.numel() for p in model.parameters())
+    strategy = ZeroOffloadStrategy(delayed_update=True) if args.delayed_update else "zero_offload"
+    throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices)
+    trainer = Trainer(
+        accelerator=accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.steps,
+        max_epochs=1,  # the dataset holds exactly the batches for max_steps
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[throughput],
+        log_every_n_steps=1,
+    )
+    trainer.fit(model, loader)
+
+    peak_host = max(throughput.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if trainer.is_global_zero:
+        print(
+            f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "
+            f"{args.devices} x {accelerator}, {args.steps} steps, final loss "
+            f"{float(trainer.callback_metrics['loss']):.3f}"
+        )
+        print(f"throughput: {throughput.tokens_per_second():,.0f} tokens/s (all ranks)")
+        if torch.cuda.is_available():
+            device_gib = torch.cuda.max_memory_allocated() / 2**30
+            print(f"peak device memory: {device_gib:.2f} GiB (rank 0)")
+        else:
+            print("peak device memory: n/a (no CUDA device; the CPU is the compute device)")
+        print(f"peak host memory: {peak_host / 2**30:.2f} GiB RSS (rank 0)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

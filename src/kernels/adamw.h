@@ -1,0 +1,143 @@
+// Fused AdamW over flat arrays: shared declarations and the canonical per-element formula.
+//
+// No torch headers here: the ISA files compile some functions for AVX2/AVX-512 with target
+// attributes, and must not instantiate shared inline code (ODR) under those targets.
+// Every path evaluates the same formula with the same roundings (see adam_elem), so the scalar,
+// AVX2 and AVX-512 paths give bit-identical results; the whole build uses -ffp-contract=off.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define LZO_X86 1
+#else
+#define LZO_X86 0
+#endif
+
+namespace lzo {
+
+enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+// Per-step constants, computed once in double as torch does, then rounded to float.
+struct AdamConsts {
+  float grad_scale;
+  float decay;      // 1 - lr * weight_decay (decoupled)
+  float wd;         // weight_decay (L2)
+  float lerp_w;     // 1 - beta1: exp_avg.lerp_(grad, lerp_w)
+  float lerp_w1;    // lerp_w - 1
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float neg_step;   // -lr / (1 - beta1^step)
+  float eps;
+  bool has_wd;
+  bool decoupled;
+  bool lerp_small;  // |lerp_w| < 0.5 picks torch's lerp formula
+};
+
+struct AdamArgs {
+  float* param;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grad;
+  void* out;  // may be null
+  Dtype grad_dtype;
+  Dtype out_dtype;  // kNone when out is null
+  AdamConsts c;
+};
+
+// Streaming probe: same arrays and access pattern as the fused step with a bf16 gradient and
+// bf16 out (read 2 + 12 bytes, write 12 + 2 bytes per element), trivial arithmetic:
+// a, b, c += g * scale (scale = 0 leaves them unchanged), out = bf16 bits of a (truncated).
+struct ProbeArgs {
+  float* a;
+  float* b;
+  float* c;
+  const uint16_t* g;
+  uint16_t* out;
+  float scale;
+};
+
+using AdamFn = void (*)(const AdamArgs&, int64_t begin, int64_t end);
+using ProbeFn = void (*)(const ProbeArgs&, int64_t begin, int64_t end);
+
+void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end);
+void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end);
+#if LZO_X86
+void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end);
+void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end);
+void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
+void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
+#endif
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
+
+// Exact, including subnormals; NaN keeps its payload and becomes quiet (as F16C does).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man ? 0x400000u | (man << 13) : 0u));
+  if (exp == 0) {
+    const float mag = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    return bits_f32(sign | f32_bits(mag));
+  }
+  return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// Round to nearest even, as torch's CPU cast does on x86 (NaN -> 0xffff, any sign or payload).
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if (std::isnan(f)) return 0xffffu;
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Round to nearest even with F16C semantics: overflow -> inf, subnormals rounded, NaN quiet with
+// its payload truncated (what torch's cast produces on x86).
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((u >> 13) & 0x3ffu));
+  if (u >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 2^16: inf
+  if (u < 0x38800000u) {  // below 2^-14: half subnormal or zero; the add rounds to nearest even
+    const float r = bits_f32(u) + 0.5f;
+    return static_cast<uint16_t>(sign | (f32_bits(r) - 0x3f000000u));
+  }
+  const uint32_t odd = (u >> 13) & 1u;
+  u += 0xc8000fffu + odd;  // rebias exponent (127 -> 15) and add the rounding bias
+  return static_cast<uint16_t>(sign | (u >> 13));
+}
+
+// The canonical update of one element. Vector paths evaluate exactly these operations.
+inline void adam_elem(const AdamConsts& c, float g, float& p, float& m, float& v) {
+  g = g * c.grad_scale;
+  float pv = p;
+  if (c.has_wd) {
+    if (c.decoupled) {
+      pv = pv * c.decay;
+    } else {
+      g = std::fma(pv, c.wd, g);
+    }
+  }
+  const float d = g - m;
+  m = c.lerp_small ? std::fma(c.lerp_w, d, m) : std::fma(c.lerp_w1, d, g);
+  v = std::fma(c.one_minus_beta2 * g, g, v * c.beta2);
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  p = pv + (c.neg_step * m) / denom;
+}
+
+}  // namespace lzo

@@ -1,0 +1,115 @@
+// AVX2 + FMA + F16C path, 8 floats per step; chosen at run time (see bindings.cpp).
+// Only the functions marked LZO_TARGET use these instructions; the tail goes to the scalar path,
+// which computes the same formula (adam_elem) bit for bit.
+#include "adamw.h"
+
+#if LZO_X86
+#include <immintrin.h>
+
+#define LZO_TARGET __attribute__((target("avx2,fma,f16c")))
+
+namespace lzo {
+
+namespace {
+
+template <Dtype G>
+LZO_TARGET inline __m256 load_grad(const void* g, int64_t i) {
+  if constexpr (G == kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(g) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(g) + i));
+    if constexpr (G == kBF16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
+
+template <Dtype O>
+LZO_TARGET inline void store_out(void* out, int64_t i, __m256 x) {
+  __m128i* dst = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + i);
+  if constexpr (O == kF16) {
+    _mm_storeu_si128(dst, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(nan));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(dst, _mm256_castsi256_si128(packed));
+  }
+}
+
+template <Dtype G, Dtype O>
+LZO_TARGET void run(const AdamArgs& a, int64_t begin, int64_t end) {
+  const AdamConsts& c = a.c;
+  const __m256 gs = _mm256_set1_ps(c.grad_scale), decay = _mm256_set1_ps(c.decay);
+  const __m256 wd = _mm256_set1_ps(c.wd), lw = _mm256_set1_ps(c.lerp_small ? c.lerp_w : c.lerp_w1);
+  const __m256 b2 = _mm256_set1_ps(c.beta2), omb2 = _mm256_set1_ps(c.one_minus_beta2);
+  const __m256 bc2 = _mm256_set1_ps(c.bc2_sqrt), ns = _mm256_set1_ps(c.neg_step);
+  const __m256 eps = _mm256_set1_ps(c.eps);
+  const bool dec = c.has_wd && c.decoupled, l2 = c.has_wd && !c.decoupled;
+  const bool small = c.lerp_small;
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    __m256 g = _mm256_mul_ps(load_grad<G>(a.grad, i), gs);
+    __m256 p = _mm256_loadu_ps(a.param + i);
+    __m256 m = _mm256_loadu_ps(a.exp_avg + i);
+    __m256 v = _mm256_loadu_ps(a.exp_avg_sq + i);
+    if (dec) p = _mm256_mul_ps(p, decay);
+    if (l2) g = _mm256_fmadd_ps(p, wd, g);
+    const __m256 d = _mm256_sub_ps(g, m);
+    m = _mm256_fmadd_ps(lw, d, small ? m : g);
+    v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+    p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(ns, m), denom));
+    _mm256_storeu_ps(a.param + i, p);
+    _mm256_storeu_ps(a.exp_avg + i, m);
+    _mm256_storeu_ps(a.exp_avg_sq + i, v);
+    if constexpr (O != kNone) store_out<O>(a.out, i, p);
+  }
+  if (i < end) adamw_scalar(a, i, end);
+}
+
+template <Dtype G>
+void run_out(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.out_dtype) {
+    case kBF16: return run<G, kBF16>(a, begin, end);
+    case kF16: return run<G, kF16>(a, begin, end);
+    default: return run<G, kNone>(a, begin, end);
+  }
+}
+
+}  // namespace
+
+void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.grad_dtype) {
+    case kBF16: return run_out<kBF16>(a, begin, end);
+    case kF16: return run_out<kF16>(a, begin, end);
+    default: return run_out<kF32>(a, begin, end);
+  }
+}
+
+LZO_TARGET void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end) {
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 g = _mm256_mul_ps(load_grad<kBF16>(a.g, i), scale);
+    const __m256 x = _mm256_add_ps(_mm256_loadu_ps(a.a + i), g);
+    _mm256_storeu_ps(a.a + i, x);
+    _mm256_storeu_ps(a.b + i, _mm256_add_ps(_mm256_loadu_ps(a.b + i), g));
+    _mm256_storeu_ps(a.c + i, _mm256_add_ps(_mm256_loadu_ps(a.c + i), g));
+    const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.out + i), _mm256_castsi256_si128(packed));
+  }
+  if (i < end) probe_scalar(a, i, end);
+}
+
+}  // namespace lzo
+
+#endif  // LZO_X86

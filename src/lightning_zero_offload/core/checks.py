@@ -1,0 +1,196 @@
+"""Argument checks and small helpers of the engine: every bad input gets a clear error here."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.engine import ZeroOffload
+
+_UNSUPPORTED = {
+    "amsgrad": "amsgrad=True",
+    "maximize": "maximize=True",
+    "capturable": "capturable=True (CUDA-graph capture of the step)",
+    "differentiable": "differentiable=True",
+}
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"ZeroOffload: device={device} but CUDA is not available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"ZeroOffload: device must be a CUDA device or the CPU, got {device}")
+    return device
+
+
+def check_optimizer(optimizer: Any) -> bool:
+    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW)."""
+    from lightning_zero_offload.core.optimizer import OffloadOptimizer
+
+    if isinstance(optimizer, OffloadOptimizer):
+        raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
+    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        raise TypeError(
+            f"ZeroOffload supports torch.optim.AdamW and torch.optim.Adam only (the fused CPU "
+            f"step implements them); got {type(optimizer).__name__}. Create the optimizer with "
+            "torch.optim.AdamW(model.parameters(), ...)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        for key, what in _UNSUPPORTED.items():
+            if group.get(key):
+                raise ValueError(
+                    f"ZeroOffload: param group {i} uses {what}, which the fused CPU AdamW does "
+                    f"not support; supported: AdamW/Adam with {key}=False"
+                )
+    return isinstance(optimizer, torch.optim.AdamW)
+
+
+def check_params(module: nn.Module, optimizer: torch.optim.Optimizer
+                 ) -> tuple[list[list[bool]], dict[int, int], dict[int, str]]:
+    """Trainable flags per group slot, registration order and first name of each parameter."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ZeroOffload: module must be an nn.Module, got {type(module).__name__}")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise ValueError(
+                f"ZeroOffload: {name or 'module'} produces sparse gradients (sparse=True), which "
+                "are not supported; use sparse=False"
+            )
+    named = list(module.named_parameters())
+    order = {id(p): i for i, (_, p) in enumerate(named)}
+    names = {id(p): n for n, p in named}
+    in_opt = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in order:
+                raise ValueError(
+                    f"ZeroOffload: optimizer param group {gi} holds a tensor of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the module; build the optimizer "
+                    "from this module's parameters"
+                )
+            if p.layout != torch.strided:
+                raise ValueError(f"ZeroOffload: parameter {names[id(p)]!r} is sparse; use dense")
+            if not p.is_floating_point():
+                raise TypeError(f"ZeroOffload: parameter {names[id(p)]!r} is not floating point")
+            in_opt.add(id(p))
+    left_out = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
+    if left_out:
+        warnings.warn(
+            f"ZeroOffload: {len(left_out)} parameter(s) require grad but are in no optimizer group "
+            f"(e.g. {left_out[0]!r}); they are not trained. Set requires_grad=False on them.",
+            stacklevel=3,
+        )
+    trainable = [[p.requires_grad for p in g["params"]] for g in optimizer.param_groups]
+    return trainable, order, names
+
+
+def cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors in (nested tuples/lists/dicts of) ``x`` cast to ``dtype``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, tuple):
+        items = [cast_floats(v, dtype) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [cast_floats(v, dtype) for v in x]
+    if isinstance(x, dict):
+        return {k: cast_floats(v, dtype) for k, v in x.items()}
+    return x
+
+
+def clip_coef(max_norm: float, norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient (NaN stays NaN, as there)."""
+    coef = max_norm / (norm + 1e-6)
+    return 1.0 if coef >= 1.0 else coef
+
+
+def default_cpu_threads() -> int:
+    """Cores available to this process shared among the ranks of this node (torchrun sets
+    OMP_NUM_THREADS=1, which would leave the CPU step on one core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    return max(1, (cores or 1) // max(1, local))
+
+
+def collective_device(group: Any, device: torch.device) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    return device if "nccl" in backend and device.type == "cuda" else torch.device("cpu")
+
+
+def check_shard(state: Any, engine: ZeroOffload) -> None:
+    from lightning_zero_offload.core.state import SHARD_FORMAT, CheckpointError
+
+    if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
+        raise CheckpointError(
+            "ZeroOffload.load_state_dict: not a ZeroOffload shard (expected the dict returned by "
+            "ZeroOffload.state_dict(); for the consolidated form use load_full_state_dict)"
+        )
+    if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
+        raise CheckpointError(
+            f"ZeroOffload.load_state_dict: shard of rank {state['rank']} of {state['world_size']} "
+            f"cannot load into rank {engine.rank} of {engine.world_size}; use save_checkpoint/"
+            "load_checkpoint or full_state_dict/load_full_state_dict to change world size"
+        )
+    if state["layout"] != engine.layout.describe():
+        raise CheckpointError(
+            "ZeroOffload.load_state_dict: the shard was written for a different model, optimizer "
+            "grouping or bucket size; load it through full_state_dict/load_full_state_dict"
+        )
+    for g, saved in enumerate(state["groups"]):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            if saved[key].numel() != engine.layout.group_shard_numel[g]:
+                raise CheckpointError(f"ZeroOffload.load_state_dict: group {g} {key} has the "
+                                      "wrong size (corrupt shard?)")
+
+
+def check_full(state: Any, engine: ZeroOffload) -> tuple[dict, dict | None]:
+    from lightning_zero_offload.core.state import CheckpointError
+
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(
+            "ZeroOffload.load_full_state_dict: expected {'model': state_dict, 'optimizer': "
+            "AdamW state_dict (optional)}"
+        )
+    model, opt = state["model"], state.get("optimizer")
+    expected = engine.module.state_dict()
+    missing = sorted(set(expected) - set(model))
+    unexpected = sorted(set(model) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"ZeroOffload.load_full_state_dict: model keys do not match the module (missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for k, t in expected.items():
+        if tuple(model[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"ZeroOffload.load_full_state_dict: {k!r} has shape "
+                                  f"{tuple(model[k].shape)}, the module has {tuple(t.shape)}")
+    if opt is None:
+        return model, None
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if groups is None or not isinstance(opt.get("state"), dict) or [
+        len(g["params"]) for g in groups
+    ] != [len(g) for g in engine._groups]:
+        raise CheckpointError(
+            "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
+            "param groups (same groups with the same number of parameters are needed)"
+        )
+    for slot in engine.layout.slots:
+        st = opt["state"].get(slot.index)
+        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.shape):
+            raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
+                                  f"{slot.name!r} has the wrong shape")
+    return model, opt

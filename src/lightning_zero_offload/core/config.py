@@ -1,0 +1,99 @@
+"""The one options object of the engine (every field has a working default)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass
+class ZeroOffloadConfig:
+    """Options of :class:`~lightning_zero_offload.ZeroOffload`.
+
+    ``precision`` is the dtype of the weights on the device (the master weights, moments and
+    gradients on the host are always fp32). ``bucket_size_mb`` bounds the device bytes of one
+    gradient bucket (in the compute dtype): smaller buckets start transfers earlier, larger ones
+    make fewer collective calls. ``cpu_threads=None`` uses the cores available to this process
+    divided by the ranks on this node (not ``torch.get_num_threads()``, which torchrun sets to 1).
+    ``delayed_update_warmup`` defaults to 10 steps because the first steps move the weights the
+    most (Adam's bias correction makes them large), so a stale update hurts most there.
+    """
+
+    precision: str = "bf16-mixed"
+    max_grad_norm: float | None = None
+    bucket_size_mb: float = 25.0
+    cpu_threads: int | None = None
+    pin_memory: bool | None = None
+    delayed_update: bool = False
+    delayed_update_warmup: int = 10
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+    check_host_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"ZeroOffloadConfig: precision={self.precision!r} is not supported; use one of "
+                f"{', '.join(map(repr, PRECISIONS))}"
+            )
+        if self.max_grad_norm is not None and not (
+            isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0
+        ):
+            raise ValueError(
+                f"ZeroOffloadConfig: max_grad_norm must be a positive number or None, "
+                f"got {self.max_grad_norm!r}"
+            )
+        if not (isinstance(self.bucket_size_mb, (int, float)) and self.bucket_size_mb > 0):
+            raise ValueError(
+                f"ZeroOffloadConfig: bucket_size_mb must be > 0, got {self.bucket_size_mb!r}"
+            )
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool)
+            or not isinstance(self.cpu_threads, int)
+            or self.cpu_threads < 1
+        ):
+            raise ValueError(
+                f"ZeroOffloadConfig: cpu_threads must be an int >= 1 or None, got "
+                f"{self.cpu_threads!r}"
+            )
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError(
+                "ZeroOffloadConfig: pin_memory=True needs a CUDA device (pinned memory only "
+                "speeds up host<->GPU copies); leave it None"
+            )
+        if not isinstance(self.delayed_update_warmup, int) or self.delayed_update_warmup < 0:
+            raise ValueError(
+                f"ZeroOffloadConfig: delayed_update_warmup must be an int >= 0, got "
+                f"{self.delayed_update_warmup!r}"
+            )
+        scale = self.initial_loss_scale
+        if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+            raise ValueError(
+                f"ZeroOffloadConfig: initial_loss_scale must be a finite number > 0, got {scale!r}"
+            )
+        interval = self.loss_scale_growth_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(
+                f"ZeroOffloadConfig: loss_scale_growth_interval must be an int >= 1, got "
+                f"{interval!r}"
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def replace(self, **overrides: object) -> ZeroOffloadConfig:
+        """A copy with ``overrides`` applied; unknown names raise a TypeError listing the fields."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(
+                f"ZeroOffload: unknown option(s) {unknown}; ZeroOffloadConfig fields are "
+                f"{sorted(names)}"
+            )
+        return dataclasses.replace(self, **overrides)

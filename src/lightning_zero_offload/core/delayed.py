@@ -1,0 +1,80 @@
+"""The CPU step's thread: delayed parameter update (ZeRO-Offload, section 5) and core binding.
+
+With ``delayed_update=True`` the engine hands the CPU step of step i (the kernel over this rank's
+shard, writing the new weights into host staging) to one worker thread and returns; forward and
+backward of step i+1 run meanwhile on the weights through step i-1. The next ``step()`` (or
+``synchronize()``) waits for the worker and copies the staged weights to the device, so they are
+in place before step i+2's forward. Everything that involves other ranks or the user's live state
+(gradient wait, global norm, loss scale, clip coefficient, learning rate) is settled on the
+caller's thread before the worker starts, and device copies and collectives stay on the caller's
+thread too, so the worker only ever touches host buffers that no one else uses until it is joined.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+def _bind(cores: Sequence[int] | None) -> None:
+    if cores:  # Linux: pid 0 is the calling thread; threads it starts (the kernel's) inherit it
+        os.sched_setaffinity(0, cores)
+
+
+class CpuStepWorker:
+    """One background thread running one CPU step at a time; its errors re-raise in ``wait``."""
+
+    def __init__(self, cores: Sequence[int] | None = None) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lzo-cpu-step", initializer=_bind,
+                                        initargs=(tuple(cores) if cores else None,))
+        self._future: Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._future is not None
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        if self._future is not None:
+            raise RuntimeError("ZeroOffload: a CPU step is already running; wait() first")
+        self._future = self._pool.submit(fn, *args)
+
+    def run(self, fn: Callable[..., None], *args: object) -> None:
+        """Run on the worker (bound cores) and wait: the synchronous step with core binding."""
+        self.submit(fn, *args)
+        self.wait()
+
+    def wait(self) -> bool:
+        """Join the running step; True if there was one. Its exception, if any, is raised here."""
+        future, self._future = self._future, None
+        if future is None:
+            return False
+        future.result()
+        return True
+
+    def close(self) -> None:
+        self._future = None
+        self._pool.shutdown(wait=True)
+
+
+def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``cpu_affinity`` must name cores this process may run on."""
+    if cores is None:
+        return None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores = tuple(cores)
+    bad = [c for c in cores if not isinstance(c, int) or (allowed is not None and c not in allowed)]
+    if not cores or bad:
+        raise ValueError(
+            f"ZeroOffloadConfig: cpu_affinity={cores!r} must be a non-empty list of core ids this "
+            f"process may use ({sorted(allowed) if allowed else 'unknown'}); bad: {bad}"
+        )
+    if allowed is None:
+        raise ValueError("ZeroOffloadConfig: cpu_affinity needs os.sched_setaffinity (Linux)")
+    return cores
+
+
+def default_threads(cores_for_rank: int, delayed: bool) -> int:
+    """With delayed update one core stays free for the thread that drives the device (it
+    launches kernels and drains gradient transfers while the CPU step runs)."""
+    return max(1, cores_for_rank - 1) if delayed else cores_for_rank

@@ -1,0 +1,500 @@
+"""``ZeroOffload``: the engine a plain PyTorch loop (or an adapter) drives.
+
+The step is split in two so it can later run asynchronously (delayed parameter update):
+``_decide`` runs on the caller's thread and settles everything that needs all ranks or the user's
+live state (wait for gradients, global norm, overflow, loss scale, clip coefficient, the step's
+hyperparameters); ``_apply`` only runs the kernel over this rank's shard, copies the new weights
+to the device and all-gathers them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_zero_offload.core import checks
+from lightning_zero_offload.core import state as ckpt
+from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.layout import build_layout, shard_pieces
+from lightning_zero_offload.core.optimizer import OffloadOptimizer
+from lightning_zero_offload.core.preflight import check_host_memory, host_bytes_needed
+from lightning_zero_offload.core.scaler import DynamicLossScaler
+from lightning_zero_offload.core.streaming import GradStreamer
+from lightning_zero_offload.ops import fused_adamw_
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class StepPlan:
+    """Everything ``_apply`` needs, fixed at decision time."""
+
+    grad_scale: float
+    hparams: list[dict]  # per group: step, lr, betas, eps, weight_decay, decoupled
+
+
+class ZeroOffload:
+    """ZeRO-Offload training engine (see the package README for the full contract)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 config: ZeroOffloadConfig | None = None, *, process_group: object | None = None,
+                 device: torch.device | str | None = None, **overrides: object) -> None:
+        config = config if config is not None else ZeroOffloadConfig()
+        if not isinstance(config, ZeroOffloadConfig):
+            raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
+        self.config = config = config.replace(**overrides) if overrides else config
+        self.device = checks.resolve_device(device)
+        self.compute_dtype = config.compute_dtype
+        if config.pin_memory and self.device.type != "cuda":
+            raise ValueError("ZeroOffload: pin_memory=True needs a CUDA compute device")
+        pin = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
+        self.process_group = process_group
+        if dist.is_available() and dist.is_initialized():
+            self.rank = dist.get_rank(process_group)
+            self.world_size = dist.get_world_size(process_group)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.decoupled = checks.check_optimizer(optimizer)
+        trainable, order, names = checks.check_params(module, optimizer)
+        self.module = module
+        self.inner_optimizer = optimizer
+        self._groups = [list(g["params"]) for g in optimizer.param_groups]
+        self._num_module_params = len(list(module.parameters()))
+        elem = torch.empty((), dtype=self.compute_dtype).element_size()
+        self.layout = layout = build_layout(
+            self._groups, trainable, order, names, self.world_size,
+            max(1, int(config.bucket_size_mb * 2**20 / elem)),
+        )
+        half = self.compute_dtype != torch.float32
+        shard = layout.shard_numel
+        cpu_device = self.device.type == "cpu"
+        out_direct = cpu_device and self.world_size == 1  # kernel writes the device buffer itself
+        staging = shard * (int(half and not out_direct) + int(not cpu_device))
+        self.host_bytes = host_bytes_needed(
+            shard, staging, elem, sum(layout.group_numel) if cpu_device else 0, elem
+        )
+        if config.check_host_memory:
+            check_host_memory(self.host_bytes, self.rank)
+
+        # Host state (fp32) of this rank's shard, filled from the user's weights before casting.
+        n = layout.group_shard_numel
+        self._master = [torch.zeros(k, pin_memory=pin and not half) for k in n]
+        self._exp_avg = [torch.zeros(k) for k in n]
+        self._exp_avg_sq = [torch.zeros(k) for k in n]
+        self._grads = [torch.zeros(k) for k in n]
+        with torch.no_grad():
+            for slot, lo, hi, host in shard_pieces(layout, self.rank):
+                self._master[slot.group][host : host + hi - lo].copy_(
+                    slot.param.detach().reshape(-1)[lo:hi]
+                )
+        # Device weights: one flat buffer per group; parameters become views of it.
+        self._orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
+        self._weights = [
+            torch.zeros(k, dtype=self.compute_dtype, device=self.device)
+            for k in layout.group_numel
+        ]
+        with torch.no_grad():
+            for slot in layout.slots:
+                view = self._weights[slot.group][slot.offset : slot.offset + slot.numel]
+                view.copy_(slot.param.detach().reshape(-1))
+                slot.param.data = view.view(slot.shape)
+            module.to(device=self.device, dtype=self.compute_dtype)
+        self._view_ptrs = [s.param.data_ptr() for s in layout.slots]
+        if out_direct and half:
+            self._out: list[Tensor | None] = list(self._weights)
+        elif half:
+            self._out = [torch.empty(k, dtype=self.compute_dtype, pin_memory=pin) for k in n]
+        else:
+            self._out = [None] * len(n)
+        self._out_direct = out_direct and half
+
+        self._streamer = GradStreamer(layout, self._grads, self.compute_dtype, self.device,
+                                      self.rank, process_group, pin)
+        self._input_hook = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        self._scaler = (DynamicLossScaler(config.initial_loss_scale,
+                                          config.loss_scale_growth_interval)
+                        if config.precision == "16-mixed" else None)
+        self._steps = [0] * len(self._groups)
+        self._threads = config.cpu_threads or checks.default_cpu_threads()
+        self._clip_coef = 1.0
+        self._clip_norm: float | None = None
+        self._no_sync = False
+        self._h2d_event = None
+        self._closed = False
+        self.last_grad_norm: float | None = None
+        self.last_step_skipped = False
+        self.optimizer = OffloadOptimizer(self, optimizer)
+
+    # -- forward / backward ------------------------------------------------------------------
+    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
+            kwargs, self.compute_dtype
+        )
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale ("16-mixed"), else None."""
+        return self._scaler.scale if self._scaler is not None else None
+
+    def backward(self, loss: Tensor, *, sync_gradients: bool = True) -> None:
+        """``loss.backward()`` (times the loss scale for fp16); gradients add up until ``step``.
+        With ``sync_gradients=False`` they stay on the device and are reduced with the next
+        synchronizing backward (as DDP's ``no_sync``)."""
+        self._check_open()
+        if self._scaler is not None:
+            loss = loss * self._scaler.scale
+        self._streamer.sync = sync_gradients and not self._no_sync
+        try:
+            loss.backward()
+        except BaseException:
+            self._streamer.discard()
+            raise
+        finally:
+            self._streamer.sync = not self._no_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip the cross-rank reduction (gradients accumulate locally)."""
+        self._no_sync, self._streamer.sync = True, False
+        try:
+            yield
+        finally:
+            self._no_sync, self._streamer.sync = False, True
+
+    # -- step ---------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Global gradient norm over all ranks (as ``torch.nn.utils.clip_grad_norm_`` on the
+        whole model), folding the clip coefficient into the next ``step``. Returns the norm
+        before this clip."""
+        self._check_open()
+        if not self._streamer.finish():
+            return torch.tensor(0.0)
+        raw = self._global_norm(float(norm_type))
+        if self._clip_norm is None:
+            self._clip_norm = raw
+        current = raw * self._clip_coef
+        self._clip_coef *= checks.clip_coef(float(max_norm), current)
+        return torch.tensor(current)
+
+    def step(self) -> Tensor | None:
+        """One optimizer step over this rank's shard. Returns the global pre-clip gradient norm
+        (None when neither clipping nor loss scaling needed it)."""
+        self.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
+        plan = self._decide()
+        if plan is not None:
+            self._apply(plan)
+        return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
+
+    def _decide(self) -> StepPlan | None:
+        self._check_open()
+        self._check_params()
+        coef, norm = self._clip_coef, self._clip_norm
+        self._clip_coef, self._clip_norm = 1.0, None
+        self.last_grad_norm, self.last_step_skipped = None, True
+        if not self._streamer.finish():
+            return None  # no gradient since zero_grad: like torch, nothing to do
+        if norm is None and (self.config.max_grad_norm or self._scaler is not None):
+            norm = self._global_norm(2.0)
+        self.last_grad_norm = norm
+        if self.config.max_grad_norm:
+            coef *= checks.clip_coef(self.config.max_grad_norm, norm * coef)
+        scale = 1.0
+        if self._scaler is not None:
+            scale = self._scaler.scale
+            overflow = not math.isfinite(norm)
+            self._scaler.update(overflow)
+            if overflow:
+                return None
+        self.last_step_skipped = False
+        hparams = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            self._steps[g] += 1
+            hparams.append({
+                "step": self._steps[g], "lr": float(group["lr"]),
+                "betas": (float(group["betas"][0]), float(group["betas"][1])),
+                "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
+                "decoupled": self.decoupled or bool(group.get("decoupled_weight_decay", False)),
+            })
+        return StepPlan(coef / (self.world_size * scale), hparams)
+
+    def _apply(self, plan: StepPlan) -> None:
+        self._wait_h2d()
+        for g, hp in enumerate(plan.hparams):
+            if self.layout.group_shard_numel[g] == 0:
+                continue
+            fused_adamw_(
+                self._master[g], self._grads[g], self._exp_avg[g], self._exp_avg_sq[g],
+                grad_scale=plan.grad_scale, out=self._out[g], num_threads=self._threads, **hp,
+            )
+        self._push_weights()
+
+    def _push_weights(self, from_master: bool = False) -> None:
+        """Copy this rank's updated shard into the device buffer and all-gather every bucket."""
+        non_blocking = self.device.type == "cuda"
+        with torch.no_grad():
+            for bucket in self.layout.buckets:
+                g = bucket.group
+                lo, hi = bucket.shard_range(self.rank)
+                dst = self._weights[g][lo:hi]
+                if from_master or not self._out_direct:
+                    src = self._master[g] if from_master or self._out[g] is None else self._out[g]
+                    dst.copy_(src[bucket.host_offset : bucket.host_offset + bucket.shard],
+                              non_blocking=non_blocking)
+                if self.world_size > 1:
+                    full = self._weights[g][bucket.start : bucket.start + bucket.numel]
+                    _all_gather(full, dst, group=self.process_group)
+        if non_blocking:
+            self._h2d_event = torch.cuda.Event()
+            self._h2d_event.record()
+
+    def _wait_h2d(self) -> None:
+        """The host staging buffers are rewritten only after the last H2D copy has read them."""
+        if self._h2d_event is not None:
+            self._h2d_event.synchronize()
+            self._h2d_event = None
+
+    def _global_norm(self, norm_type: float) -> float:
+        local = self._streamer.local_sq_sum() if norm_type == 2.0 else None
+        if local is None:
+            parts = [torch.linalg.vector_norm(g, norm_type) for g in self._grads if g.numel()]
+            if not parts:
+                local = torch.tensor(0.0)
+            elif math.isinf(norm_type):
+                local = torch.stack(parts).max()
+            else:
+                local = torch.stack(parts).double().pow(norm_type).sum()
+        local = local.double()
+        if self.world_size > 1:
+            local = local.to(checks.collective_device(self.process_group, self.device))
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(local, op=op, group=self.process_group)
+        total = local.item()
+        if not math.isinf(norm_type):
+            total = total ** (1.0 / norm_type)
+        return total / (self.world_size * (self._scaler.scale if self._scaler else 1.0))
+
+    def zero_grad(self) -> None:
+        self._check_open()
+        self._streamer.reset()
+
+    def synchronize(self) -> None:
+        """Wait for pending transfers and updates."""
+        if self.device.type == "cuda":
+            self._streamer.drain()
+            self._wait_h2d()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- checks -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ZeroOffload: this engine was torn down; create a new one")
+
+    def _check_params(self) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._groups) or any(
+            len(g["params"]) != len(ref)
+            or any(p is not q for p, q in zip(g["params"], ref, strict=True))
+            for g, ref in zip(groups, self._groups, strict=True)
+        ):
+            raise RuntimeError(
+                "ZeroOffload: the optimizer's parameters changed after setup (added, removed or "
+                "replaced); create the optimizer with all parameters before ZeroOffload"
+            )
+        if len(list(self.module.parameters())) != self._num_module_params:
+            raise RuntimeError(
+                "ZeroOffload: the module gained or lost parameters after setup; add all "
+                "submodules before creating ZeroOffload"
+            )
+        for slot, ptr in zip(self.layout.slots, self._view_ptrs, strict=True):
+            if slot.param.data_ptr() != ptr:
+                raise RuntimeError(
+                    f"ZeroOffload: parameter {slot.name!r} no longer lives in the engine's flat "
+                    "buffer (was the module moved or cast with .to()/.float()/.half() after "
+                    "setup?); the engine owns device placement and dtype"
+                )
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shard. The tensors are the live buffers (as torch optimizers do): save or
+        copy them before training on."""
+        self.synchronize()
+        return {
+            "format": ckpt.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
+            "precision": self.config.precision, "layout": self.layout.describe(),
+            "groups": [
+                {"step": self._steps[g], "master": self._master[g], "exp_avg": self._exp_avg[g],
+                 "exp_avg_sq": self._exp_avg_sq[g]}
+                for g in range(len(self._groups))
+            ],
+            "param_groups": [ckpt.group_hparams(g) for g in self.optimizer.param_groups],
+            "scaler": self._scaler.state_dict() if self._scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from this rank's ``state_dict()`` (same world size and model); for another
+        world size use ``full_state_dict``/``load_full_state_dict`` or ``load_checkpoint``."""
+        self._check_open()
+        checks.check_shard(state, self)
+        self.synchronize()
+        with torch.no_grad():
+            for g, saved in enumerate(state["groups"]):
+                self._master[g].copy_(saved["master"])
+                self._exp_avg[g].copy_(saved["exp_avg"])
+                self._exp_avg_sq[g].copy_(saved["exp_avg_sq"])
+                self._steps[g] = int(saved["step"])
+        for group, hp in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(hp)
+        if self._scaler is not None and state.get("scaler"):
+            self._scaler.load_state_dict(state["scaler"])
+        self._push_weights(from_master=True)
+
+    def _gather_full(self, host: list[Tensor]) -> list[Tensor]:
+        """Full fp32 flat buffers per group from every rank's shard (collective)."""
+        full = [torch.zeros(n) for n in self.layout.group_numel]
+        coll = (checks.collective_device(self.process_group, self.device)
+                if self.world_size > 1 else None)
+        for bucket in self.layout.buckets:
+            g, size = bucket.group, bucket.shard
+            mine = host[g][bucket.host_offset : bucket.host_offset + size]
+            if self.world_size == 1:
+                full[g][bucket.start : bucket.start + bucket.numel] = mine
+                continue
+            out = torch.empty(bucket.numel, device=coll)
+            _all_gather(out, mine.to(coll), group=self.process_group)
+            full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
+        return full
+
+    def full_state_dict(self) -> dict:
+        """Collective. ``{"model": fp32 module state_dict, "optimizer": torch AdamW format}``,
+        loadable into a plain model and ``torch.optim.AdamW``, or an engine of any world size."""
+        self._check_open()
+        self.synchronize()
+        flats = {k: self._gather_full(getattr(self, "_" + k))
+                 for k in ("master", "exp_avg", "exp_avg_sq")}
+        hparams = [ckpt.group_hparams(g) for g in self.optimizer.param_groups]
+        out = ckpt.assemble(self.layout.describe(), flats, list(self._steps), hparams)
+        trained = {id(s.param): s.name for s in self.layout.slots}
+        model = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in trained:
+                model[name] = out["model"][trained[id(t)]]
+            else:
+                t = t.detach().cpu()
+                model[name] = t.float() if t.is_floating_point() else t.clone()
+        return {"format": ckpt.FULL_FORMAT, "model": model, "optimizer": out["optimizer"],
+                "scaler": self._scaler.state_dict() if self._scaler else None}
+
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load the consolidated form (from any world size), or a plain ``{"model":
+        model.state_dict(), "optimizer": AdamW.state_dict()}`` pair."""
+        self._check_open()
+        model, opt = checks.check_full(state, self)
+        self.synchronize()
+        with torch.no_grad():
+            self.module.load_state_dict(model, strict=True)
+            states = opt["state"] if opt else {}
+            for g in range(len(self._groups)):
+                steps = [int(states[s.index]["step"]) for s in self.layout.slots
+                         if s.group == g and s.index in states]
+                self._steps[g] = max(steps, default=0)
+            for slot, lo, hi, host in shard_pieces(self.layout, self.rank):
+                sl = slice(host, host + hi - lo)
+                self._master[slot.group][sl] = model[slot.name].reshape(-1)[lo:hi]
+                st = states.get(slot.index)
+                for buf, key in ((self._exp_avg, "exp_avg"), (self._exp_avg_sq, "exp_avg_sq")):
+                    buf[slot.group][sl] = st[key].reshape(-1)[lo:hi] if st else 0.0
+        if opt:
+            for group, saved in zip(self.optimizer.param_groups, opt["param_groups"], strict=True):
+                group.update(ckpt.group_hparams(saved))
+        if self._scaler is not None and state.get("scaler"):
+            self._scaler.load_state_dict(state["scaler"])
+        self._push_weights(from_master=True)
+
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True) -> None:
+        """Collective. ``sharded=True``: a folder with one file per rank (plus the module's
+        buffers and untrained parameters); ``False``: one consolidated file. Written under a
+        temporary name and renamed, so a crash never leaves a checkpoint that loads half."""
+        path = Path(path)
+        if not sharded:
+            full = self.full_state_dict()
+            if self.rank == 0:
+                ckpt.atomic_save(full, path)
+            self._barrier()
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        if self.rank == 0:
+            if tmp.exists():
+                import shutil
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        trained = {id(s.param) for s in self.layout.slots}
+        extra = {k: v.detach().cpu() for k, v in self.module.state_dict(keep_vars=True).items()
+                 if id(v) not in trained}
+        ckpt.atomic_save({**self.state_dict(), "module_extra": extra},
+                         tmp / ckpt.shard_name(self.rank, self.world_size))
+        self._barrier()
+        if self.rank == 0:
+            ckpt.publish_dir(tmp, path)
+        self._barrier()
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Load what ``save_checkpoint`` wrote, at this or any other world size."""
+        path = Path(path)
+        if path.is_dir():
+            mine = path / ckpt.shard_name(self.rank, self.world_size)
+            if mine.is_file():
+                shard = ckpt.safe_load(mine)
+                self.module.load_state_dict(shard["module_extra"], strict=False)
+                self.load_state_dict(shard)
+                return
+            shards = ckpt.read_shard_dir(path)
+            full = ckpt.consolidate(shards)
+            trained = {id(s.param): s.name for s in self.layout.slots}
+            names = self.module.state_dict(keep_vars=True)
+            model = {k: full["model"][trained[id(v)]] if id(v) in trained else
+                     shards[0]["module_extra"].get(k) for k, v in names.items()}
+            self.load_full_state_dict({**full, "model": model, "scaler": shards[0]["scaler"]})
+            return
+        if not path.exists():
+            raise ckpt.CheckpointError(f"no checkpoint at {str(path)!r}")
+        self.load_full_state_dict(ckpt.safe_load(path))
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.process_group)
+
+    # -- teardown -----------------------------------------------------------------------------
+    def teardown(self, *, copy_weights_to_module: bool = True) -> None:
+        """Remove hooks and free host buffers. ``copy_weights_to_module=True`` (collective when
+        several ranks) gives the module back ordinary parameters holding the fp32 master weights
+        and restores the original dtypes of the other tensors."""
+        if self._closed:
+            return
+        self.synchronize()
+        self._streamer.remove()
+        self._input_hook.remove()
+        if copy_weights_to_module:
+            full = self._gather_full(self._master)
+            with torch.no_grad():
+                for slot in self.layout.slots:
+                    flat = full[slot.group][slot.offset : slot.offset + slot.numel]
+                    slot.param.data = flat.view(slot.shape).to(
+                        self.device, self._orig_dtypes[id(slot.param)], copy=True
+                    )
+                trained = {id(s.param) for s in self.layout.slots}
+                for t in [*self.module.parameters(), *self.module.buffers()]:
+                    if id(t) not in trained and id(t) in self._orig_dtypes:
+                        t.data = t.data.to(self._orig_dtypes[id(t)])
+        self._master = self._exp_avg = self._exp_avg_sq = self._grads = []
+        self._out = []
+        self._weights = []
+        self._closed = True

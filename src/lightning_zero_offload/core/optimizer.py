@@ -1,0 +1,57 @@
+"""The ``torch.optim.Optimizer`` facade that frameworks and LR schedulers talk to."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.engine import ZeroOffload
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Shares the user's ``param_groups`` (the same dicts), so schedulers and per-group changes
+    to ``lr``/``weight_decay``/``betas`` reach the engine's next step. ``step``/``zero_grad``/
+    ``state_dict`` go to the engine; ``state`` stays empty because the state lives on the host
+    shards (use ``engine.full_state_dict()`` for torch's format)."""
+
+    def __init__(self, engine: ZeroOffload, inner: torch.optim.Optimizer) -> None:
+        # Optimizer.__init__ would copy the groups; set up what it sets, sharing the groups.
+        self.engine = engine
+        self.inner = inner
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self.state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+        self.param_groups = inner.param_groups
+        self._warned_capturable_if_run_uncaptured = True
+
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.engine.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError(
+            "ZeroOffload: parameters cannot be added after setup; add all param groups to the "
+            "optimizer before creating ZeroOffload"
+        )

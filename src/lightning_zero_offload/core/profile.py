@@ -1,0 +1,147 @@
+"""Per-step timing of the offload step: where the time goes and how much of the CPU step shows.
+
+The engine brackets its phases with spans tagged by the optimizer step they belong to (with
+delayed update the CPU step of step i runs while step i+1's forward and backward are timed).
+Host spans use ``time.perf_counter``; device spans record CUDA events on a stream and are resolved
+only when the records are read, so profiling adds no synchronization to the step.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "weight_copy", "stall")
+SPANS = (*FIELDS, "grad_transfer")  # grad_transfer: per-bucket copies, drawn but not summed
+
+
+@dataclass
+class StepProfile:
+    """Seconds per activity in one optimizer step.
+
+    ``fwd_bwd``: first forward to the end of the last backward (host time); ``grad_wait``: waiting
+    for gradient transfers in ``step()``; ``cpu_step``: the CPU optimizer kernel; ``weight_copy``:
+    copying updated weights to the device; ``stall``: time the main thread (so the device's queue)
+    waited on the CPU step, the part of it not hidden. ``spans``: (name, start, end), seconds
+    since the recorder was made, for timelines.
+    """
+
+    step: int
+    fwd_bwd: float = 0.0
+    grad_wait: float = 0.0
+    cpu_step: float = 0.0
+    weight_copy: float = 0.0
+    stall: float = 0.0
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ProfileRecorder:
+    """Thread-safe span recorder keeping the last ``keep`` closed steps."""
+
+    def __init__(self, keep: int = 100, enabled: bool = True) -> None:
+        self.enabled, self.keep, self._t0 = enabled, keep, time.perf_counter()
+        self._steps: OrderedDict[int, StepProfile] = OrderedDict()
+        self._closed: set[int] = set()
+        self._starts: dict[tuple[str, int], float] = {}
+        self._cuda: list[tuple[int, str, float, torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def add(self, name: str, step: int, start: float, end: float) -> None:
+        """Record a finished span (times from ``now()``) for optimizer step ``step``."""
+        if name not in SPANS:
+            raise ValueError(f"unknown profile span {name!r}; expected one of {SPANS}")
+        if not self.enabled:
+            return
+        with self._lock:
+            rec = self._steps.setdefault(step, StepProfile(step))
+            if name in FIELDS:
+                setattr(rec, name, getattr(rec, name) + (end - start))
+            rec.spans.append((name, start, end))
+
+    def begin(self, name: str, step: int) -> None:
+        """Open a span that ``end`` closes from elsewhere (first forward ... last backward)."""
+        self._starts.setdefault((name, step), self.now())
+
+    def end(self, name: str, step: int) -> None:
+        start = self._starts.pop((name, step), None)
+        if start is not None:
+            self.add(name, step, start, self.now())
+
+    @contextmanager
+    def span(self, name: str, step: int) -> Iterator[None]:
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(name, step, start, self.now())
+
+    @contextmanager
+    def device_span(self, name: str, step: int, stream: object = None) -> Iterator[None]:
+        """Time the work enqueued on CUDA ``stream`` inside the block (host time without one),
+        placed at the host time it was enqueued."""
+        if stream is None or not self.enabled:
+            with self.span(name, step):
+                yield
+            return
+        start_ev, end_ev = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start_ev.record(stream)
+        host = self.now()
+        yield
+        end_ev.record(stream)
+        self.add_device(name, step, host, start_ev, end_ev)
+
+    def add_device(self, name: str, step: int, host: float, start_ev: torch.cuda.Event,
+                   end_ev: torch.cuda.Event) -> None:
+        """A span between two recorded timing events, placed at host time ``host``."""
+        if self.enabled:
+            with self._lock:
+                self._steps.setdefault(step, StepProfile(step))
+                self._cuda.append((step, name, host, start_ev, end_ev))
+
+    def close(self, step: int) -> None:
+        """Mark ``step`` complete (its update landed); drop the oldest beyond ``keep``."""
+        with self._lock:
+            self._closed.add(step)
+            while len(self._closed) > self.keep:
+                old = next(s for s in self._steps if s in self._closed)
+                self._closed.discard(old)
+                del self._steps[old]
+
+    @property
+    def records(self) -> list[StepProfile]:
+        """Closed steps, oldest first; waits for their device spans (call off the hot path)."""
+        with self._lock:
+            cuda, self._cuda = self._cuda, []
+        for step, name, host, start_ev, end_ev in cuda:
+            if step in self._closed:
+                end_ev.synchronize()
+                self.add(name, step, host, host + start_ev.elapsed_time(end_ev) / 1000.0)
+            elif step in self._steps:  # still open: resolve on a later read
+                with self._lock:
+                    self._cuda.append((step, name, host, start_ev, end_ev))
+        with self._lock:
+            return [r for s, r in self._steps.items() if s in self._closed]
+
+    def dump(self, path: str) -> None:
+        """Write the closed records as JSON (``benchmarks/timeline.py`` draws it)."""
+        with open(path, "w") as f:
+            json.dump({"records": [r.to_dict() for r in self.records]}, f)
+
+
+def summarize(records: list[StepProfile]) -> dict[str, float]:
+    """Mean seconds per field over ``records`` (empty when there are none)."""
+    n = max(len(records), 1)
+    return {k: sum(getattr(r, k) for r in records) / n for k in FIELDS} if records else {}

@@ -1,0 +1,283 @@
+"""``Fabric(strategy="zero_offload")``: the engine behind ``fabric.setup(model, optimizer)``.
+
+``fabric.backward``, ``optimizer.step()``/``zero_grad()``, ``fabric.clip_gradients(max_norm=...)``,
+``fabric.no_backward_sync`` and ``fabric.save``/``fabric.load`` all reach the engine. The module
+is not wrapped in DDP; the engine reduces and partitions gradients itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.lightning import checkpoint as ckpt
+from lightning_zero_offload.lightning.precision import ZeroOffloadFabricPrecision, precision_name
+from lightning_zero_offload.lightning.strategy import (
+    build_config,
+    check_optimizer,
+    resolve_precision,
+    retarget_scheduler,
+)
+
+
+class ZeroOffloadFabricStrategy(DDPStrategy):
+    """ZeRO-Offload for Fabric; same options as :class:`ZeroOffloadStrategy`.
+
+    Set up the model and its one AdamW/Adam optimizer together: ``fabric.setup(model, opt)``.
+    ``fabric.setup(model)`` alone (evaluation) just moves the module to the device.
+    """
+
+    strategy_name = "zero_offload"
+
+    def __init__(
+        self,
+        config: ZeroOffloadConfig | None = None,
+        *,
+        sharded_checkpoint: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **config_overrides: Any,
+    ) -> None:
+        self.config = build_config(config, config_overrides)
+        self.sharded_checkpoint = sharded_checkpoint
+        self.engine = None
+        self._default_precision = ZeroOffloadFabricPrecision("32-true")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _EngineBackwardSync(self)
+
+    @property
+    @override
+    def precision(self) -> ZeroOffloadFabricPrecision:
+        # a set _precision means "chosen by the user" to Fabric's connector: keep defaults apart
+        return self._default_precision if self._precision is None else self._precision
+
+    @precision.setter
+    @override
+    def precision(self, plugin: Precision | None) -> None:
+        name = precision_name(plugin)
+        if name is not None and not isinstance(plugin, ZeroOffloadFabricPrecision):
+            plugin = ZeroOffloadFabricPrecision(name)
+        self._precision = plugin
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
+        if self.engine is not None:
+            raise RuntimeError(
+                "ZeroOffloadFabricStrategy manages one model and optimizer; fabric.setup() was "
+                "already called with an optimizer"
+            )
+        optimizer = check_optimizer(optimizers)
+        if _distributed_is_initialized() and self.world_size > 1:
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                torch.distributed.broadcast(tensor.data, src=0)  # same start on every rank
+        config = resolve_precision(self.config, self.precision.precision)
+        process_group = torch.distributed.group.WORLD if _distributed_is_initialized() else None
+        self.engine = ZeroOffload(
+            module, optimizer, config, process_group=process_group, device=self.root_device
+        )
+        if scheduler is not None:
+            retarget_scheduler(scheduler, optimizer, self.engine.optimizer)
+        self.precision.engine = self.engine
+        return self.engine.module, [self.engine.optimizer], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Without an optimizer there is nothing to offload: the module just goes to the device."""
+        return module.to(self.root_device)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise NotImplementedError(self._err_msg_joint_setup_required())
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        """A no-op: the engine places the module itself, in the compute dtype (see setup)."""
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.teardown(copy_weights_to_module=True)
+            self.engine = None
+        super().teardown()
+
+    # -- clipping ------------------------------------------------------------------------------
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        self._engine()
+        norm = self.precision._clip(float(max_norm), float(norm_type))
+        # fp16 overflow is the loss scaler's business (the step is skipped), not an error
+        if error_if_nonfinite and self.precision.precision != "16-mixed":
+            if not torch.isfinite(norm):
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} of the gradients is non-finite; pass "
+                    "error_if_nonfinite=False to fabric.clip_gradients to skip this check"
+                )
+        return norm
+
+    @override
+    def clip_gradients_value(
+        self, module: Module, optimizer: Optimizer, clip_val: float | int
+    ) -> None:
+        raise ValueError(
+            "ZeroOffloadFabricStrategy clips by the global gradient norm only (the gradients are "
+            "partitioned on the host); use fabric.clip_gradients(model, optimizer, max_norm=...)"
+        )
+
+    def _engine(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError("Call fabric.setup(model, optimizer) before using the optimizer")
+        return self.engine
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _owned(self, obj: object) -> bool:
+        engine = self.engine
+        return engine is not None and (obj is engine.module or obj is engine.optimizer)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        owned = {k: _kind(self.engine, v) for k, v in state.items() if self._owned(v)}
+        if not owned:
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        if filter and set(filter) & set(owned):
+            raise ValueError("fabric.save(filter=...) cannot filter the offloaded model/optimizer")
+        rest = {k: v for k, v in state.items() if k not in owned}
+        converted = self._convert_stateful_objects_in_state(rest, filter=filter or {})
+        if self.sharded_checkpoint:
+            converted[_OWNED] = owned
+            ckpt.save_sharded(self.engine, converted, path, self.is_global_zero)
+            self.barrier("zero_offload_save")
+            return
+        full = self.engine.full_state_dict()  # collective
+        entries = {"model": full["model"], "optimizer": ckpt.optimizer_entry(full)}
+        converted.update({key: entries[kind] for key, kind in owned.items()})
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        if self._owned(state):
+            raise ValueError(
+                "Load the offloaded model and optimizer through a dict: "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+        owned = {}
+        if isinstance(state, dict):
+            owned = {k: _kind(self.engine, v) for k, v in state.items() if self._owned(v)}
+        if not owned:
+            if ckpt.is_sharded(path):
+                raise ValueError("A sharded zero_offload checkpoint loads into the set-up model")
+            return super().load_checkpoint(path, state, strict, weights_only)
+        assert isinstance(state, dict) and self.engine is not None
+        if ckpt.is_sharded(path):
+            checkpoint = ckpt.load_sharded_meta(path, weights_only)
+            self.engine.load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
+            checkpoint.pop(_OWNED, None)
+        else:
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            entries = {kind: checkpoint.pop(key) for key, kind in owned.items()}
+            if "model" not in entries:
+                raise ValueError("Load the optimizer state together with its model")
+            self.engine.load_full_state_dict(
+                ckpt.full_state(entries["model"], entries.get("optimizer"))
+            )
+        rest = {k: v for k, v in state.items() if k not in owned}
+        missing = [k for k in rest if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains a key {missing[0]!r} that does not exist in the "
+                "loaded checkpoint. To disable strict loading, set `strict=False`."
+            )
+        for name, obj in rest.items():
+            if name in checkpoint:
+                if isinstance(obj, _Stateful):
+                    obj.load_state_dict(checkpoint.pop(name))
+                else:
+                    state[name] = checkpoint.pop(name)
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="ZeRO-Offload: fp32 master weights and AdamW state on the host",
+        )
+
+
+_OWNED = "zero_offload_owned_keys"  # sharded Fabric meta: which keys held the model/optimizer
+
+
+def _kind(engine: Any, obj: object) -> str:
+    return "model" if obj is engine.module else "optimizer"
+
+
+class _EngineBackwardSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients stay local until a synced backward."""
+
+    def __init__(self, strategy: ZeroOffloadFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled or self._strategy.engine is None:
+            return contextlib.nullcontext()
+        return self._strategy.engine.no_sync()

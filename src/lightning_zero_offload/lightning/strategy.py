@@ -1,0 +1,329 @@
+"""``Trainer(strategy="zero_offload")``: the Lightning strategy around the ZeroOffload engine.
+
+It subclasses ``DDPStrategy`` for the launcher, process-group setup, barrier and reduce, but never
+wraps the model in DDP: the engine reduces (and partitions) the gradients itself while streaming
+them to the host. The engine is built in ``setup`` right after ``configure_optimizers``, takes over
+the AdamW/Adam optimizer, and its facade (whose ``param_groups`` are the user's group dicts, so
+LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Trainer's optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.lightning import checkpoint as ckpt
+from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, precision_name
+
+
+def build_config(config: ZeroOffloadConfig | None, overrides: dict[str, Any]) -> ZeroOffloadConfig:
+    """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied.
+
+    ``precision`` is not a shortcut: the Trainer's or Fabric's ``precision=`` chooses it, so
+    there is one place to set it.
+    """
+    if "precision" in overrides:
+        raise TypeError(
+            "ZeroOffloadStrategy(precision=...) is not an option: set the precision on the "
+            "Trainer or Fabric, e.g. Trainer(strategy='zero_offload', precision='bf16-mixed')"
+        )
+    if config is not None and not isinstance(config, ZeroOffloadConfig):
+        raise TypeError(f"config must be a ZeroOffloadConfig, got {type(config).__name__}")
+    return (config or ZeroOffloadConfig()).replace(**overrides)
+
+
+def resolve_precision(config: ZeroOffloadConfig, chosen: str) -> ZeroOffloadConfig:
+    """The config with the framework's precision; a config asking for another is an error."""
+    default = ZeroOffloadConfig.precision
+    if config.precision not in (chosen, default):
+        raise ValueError(
+            f"ZeroOffloadConfig(precision={config.precision!r}) disagrees with the framework's "
+            f"precision {chosen!r}; set the precision once, on the Trainer or Fabric"
+        )
+    return config.replace(precision=chosen)
+
+
+def check_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The single AdamW/Adam optimizer the engine can take over, or a clear error."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"ZeroOffloadStrategy needs exactly one optimizer (torch.optim.AdamW or Adam) from "
+            f"configure_optimizers, got {len(optimizers)}"
+        )
+    (optimizer,) = optimizers
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        raise TypeError(
+            f"ZeroOffloadStrategy runs AdamW/Adam on the CPU and got {type(optimizer).__name__}; "
+            "return torch.optim.AdamW (or Adam) from configure_optimizers"
+        )
+    return optimizer
+
+
+class ZeroOffloadStrategy(DDPStrategy):
+    """ZeRO-Offload for the Lightning Trainer: fp32 masters and Adam moments on the host.
+
+    Args:
+        config: engine options (:class:`~lightning_zero_offload.ZeroOffloadConfig`); its fields
+            may also be passed as keyword shortcuts, e.g. ``ZeroOffloadStrategy(cpu_threads=8)``.
+            The precision comes from ``Trainer(precision=...)``: ``"32-true"``,
+            ``"bf16-mixed"`` or ``"16-mixed"``.
+        sharded_checkpoint: write checkpoints as a directory with one file per rank (each rank's
+            partition of the master weights and Adam state) instead of one consolidated file.
+            Use it when the model is too large to gather on one rank. Consolidated files hold
+            the fp32 master weights under ``"state_dict"``, so ``load_from_checkpoint`` works
+            without this strategy.
+
+    Remaining arguments are ``DDPStrategy``'s (launcher, cluster environment, process group).
+    The last pre-clip global gradient norm is ``strategy.grad_norm``; log it from a hook, e.g.
+    ``self.log("grad_norm", self.trainer.strategy.grad_norm)`` in ``on_train_batch_end``.
+    """
+
+    strategy_name = "zero_offload"
+
+    def __init__(
+        self,
+        config: ZeroOffloadConfig | None = None,
+        *,
+        sharded_checkpoint: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **config_overrides: Any,
+    ) -> None:
+        self.config = build_config(config, config_overrides)
+        self.sharded_checkpoint = sharded_checkpoint
+        self.engine = None
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self._default_precision = ZeroOffloadPrecision("32-true")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+
+    # -- precision: every plugin Lightning picks becomes ours, or a clear error --------------
+
+    @property
+    @override
+    def precision_plugin(self) -> ZeroOffloadPrecision:
+        # the default is kept apart: a set _precision_plugin means "chosen by the user" to
+        # Lightning's connector, which would then ignore Trainer(precision=...)
+        if self._precision_plugin is None:
+            return self._default_precision
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        name = precision_name(plugin)
+        if name is not None and not isinstance(plugin, ZeroOffloadPrecision):
+            plugin = ZeroOffloadPrecision(name)
+        self._precision_plugin = plugin
+
+    # -- behaviour switches --------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the built engine: the fp32 masters live there."""
+        return True
+
+    @property
+    def grad_norm(self) -> Tensor | None:
+        """The last pre-clip global gradient norm over all ranks; ``None`` before a step."""
+        return self.precision_plugin.grad_norm
+
+    # -- setup / teardown ----------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        if not fitting:  # evaluation: the fp32 module on the device, nothing to offload
+            self.model_to_device()
+        if self.world_size > 1:  # the same weights on every rank, as DDP's wrapper ensures
+            _sync_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._build_engine(trainer)
+        self.setup_precision_plugin()
+
+    def _build_engine(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(
+                "ZeroOffloadStrategy clips by the global gradient norm only: the gradients live "
+                "partitioned on the host and are scaled inside the CPU step. Use "
+                "gradient_clip_algorithm='norm'"
+            )
+        if self.config.max_grad_norm is not None and trainer.gradient_clip_val:
+            raise ValueError(
+                "Set clipping once: either Trainer(gradient_clip_val=...) or "
+                "ZeroOffloadStrategy(max_grad_norm=...), not both"
+            )
+        optimizer = check_optimizer(self.optimizers)
+        config = resolve_precision(self.config, self.precision_plugin.precision)
+        process_group = torch.distributed.group.WORLD if _distributed_is_initialized() else None
+        self.engine = ZeroOffload(
+            module, optimizer, config, process_group=process_group, device=self.root_device
+        )
+        facade = self.engine.optimizer
+        for lr_config in self.lr_scheduler_configs:
+            retarget_scheduler(lr_config.scheduler, optimizer, facade)
+        self.optimizers = [facade]
+        self.precision_plugin.engine = self.engine
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if self.engine is None:  # during fit the engine places the module (in the compute dtype)
+            self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.teardown(copy_weights_to_module=True)
+            self.engine = None
+        self._pending_optimizer_state = None
+        super().teardown()
+
+    # -- backward sync for accumulation --------------------------------------------------------
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of an accumulation keep their gradients local."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        if self.sharded_checkpoint:
+            return {}  # every rank writes its partition in save_checkpoint
+        full = self.engine.full_state_dict()  # collective: every rank takes part
+        self._pending_optimizer_state = ckpt.optimizer_entry(full)
+        return full["model"]
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        if self.sharded_checkpoint:
+            return {}
+        state, self._pending_optimizer_state = self._pending_optimizer_state, None
+        return state if state is not None else ckpt.optimizer_entry(self.engine.full_state_dict())
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        self._pending_optimizer_state = None
+        if self.engine is not None and self.sharded_checkpoint:
+            ckpt.save_sharded(self.engine, checkpoint, filepath, self.is_global_zero)
+            self.barrier("zero_offload_save")
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        if ckpt.is_sharded(checkpoint_path):
+            return ckpt.load_sharded_meta(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.engine is None:
+            if ckpt.SHARDED_KEY in checkpoint:
+                raise RuntimeError(
+                    "A sharded zero_offload checkpoint loads when resuming fit; for evaluation, "
+                    "consolidate it first: lightning_zero_offload.lightning.checkpoint."
+                    "consolidate_checkpoint(directory, 'model.ckpt')"
+                )
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # with an engine, the weights load together with the optimizer state (below), since
+        # load_full_state_dict needs both
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        assert self.engine is not None
+        if ckpt.SHARDED_KEY in checkpoint:
+            self.engine.load_checkpoint(checkpoint[ckpt.SHARDED_KEY])
+            return
+        (optimizer_state,) = checkpoint["optimizer_states"]
+        self.engine.load_full_state_dict(ckpt.full_state(checkpoint["state_dict"], optimizer_state))
+
+    # -- registration --------------------------------------------------------------------------
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="ZeRO-Offload: fp32 master weights and AdamW state on the host",
+        )
+
+
+def retarget_scheduler(scheduler: Any, user_optimizer: Any, facade: Any) -> None:
+    """Point an LR scheduler at the engine's optimizer (same group dicts, so nothing moves).
+
+    Lightning and ``LearningRateMonitor`` then see one optimizer, not the user's idle AdamW
+    next to the engine's. The step-tracking mark torch's scheduler put on the user's optimizer
+    is carried over, so the scheduler does not warn that ``optimizer.step()`` was never called.
+    """
+    if getattr(scheduler, "optimizer", None) is not user_optimizer:
+        raise ValueError(
+            "ZeroOffloadStrategy: an LR scheduler from configure_optimizers is attached to "
+            "another optimizer than the one returned with it"
+        )
+    scheduler.optimizer = facade
+    facade._opt_called = True  # torch's flag: the engine steps on the user's behalf
+    step = facade.step
+    if not hasattr(step, "_wrapped_by_lr_sched"):
+
+        @functools.wraps(step)
+        def tracked_step(*args: Any, **kwargs: Any) -> Any:
+            return step(*args, **kwargs)
+
+        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        facade.step = tracked_step

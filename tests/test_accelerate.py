@@ -1,0 +1,279 @@
+"""ZeroOffloadPlugin against plain Accelerate with torch.optim.AdamW (fp32, CPU, gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+from lightning_zero_offload.accelerate import (  # noqa: E402
+    ZeroOffloadAcceleratedOptimizer,
+    ZeroOffloadPlugin,
+    config_overrides_from_env,
+    zero_offload_enabled,
+)
+
+ACCUM, STEPS, BATCH, MAX_NORM = 2, 6, 4, 0.05
+
+
+def _reset_accelerate() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(monkeypatch):
+    for var in [v for v in __import__("os").environ if v.startswith("ZERO_OFFLOAD")]:
+        monkeypatch.delenv(var)
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.LayerNorm(32),
+                         nn.Linear(32, 4))
+
+
+def _data(world: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    n = STEPS * ACCUM * BATCH * world
+    return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g),
+                                          torch.randn(n, 4, generator=g))
+
+
+def _setup(offload: bool, world: int = 1):
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUM, mixed_precision="no")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    loader = torch.utils.data.DataLoader(_data(world), batch_size=BATCH)
+    plugin = ZeroOffloadPlugin(enabled=offload)
+    model, opt, loader, sched = plugin.prepare(accelerator, model, opt, loader, sched)
+    return accelerator, plugin, model, opt, loader, sched
+
+
+def _run(accelerator, model, opt, loader, sched, skip: int = 0, stop: int | None = None):
+    norms = []
+    for i, (x, y) in enumerate(loader):
+        if i < skip:
+            continue
+        if stop is not None and i >= stop:
+            break
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return norms
+
+
+def _weights(accelerator, model) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def _rel_err(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b)
+    den = sum(float(b[k].double().norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
+def _train(offload: bool, world: int = 1):
+    acc, _, model, opt, loader, sched = _setup(offload, world)
+    norms = _run(acc, model, opt, loader, sched)
+    return _weights(acc, model), norms
+
+
+def _compare_ranks(rank: int, world: int) -> tuple:
+    __import__("os").environ["ACCELERATE_USE_CPU"] = "true"  # gloo ranks: Accelerate's MULTI_CPU
+    plain, plain_norms = _train(False, world)
+    _reset_accelerate()
+    ours, our_norms = _train(True, world)
+    assert AcceleratorState().num_processes == world
+    return _rel_err(ours, plain), plain_norms, our_norms
+
+
+def _check(err: float, plain_norms: list, our_norms: list) -> None:
+    assert len(our_norms) == STEPS
+    assert err < 1e-5, err
+    assert our_norms == pytest.approx(plain_norms, rel=1e-5)
+    assert max(our_norms) > MAX_NORM  # clipping was active
+
+
+def test_plugin_matches_plain_accelerate_one_process():
+    _check(*_compare_ranks(0, 1))
+
+
+@pytest.mark.slow
+def test_plugin_matches_plain_accelerate_two_processes():
+    from _dist import run_ranks
+
+    for result in run_ranks(_compare_ranks, 2):
+        _check(*result)
+
+
+def test_prepare_returns_accelerate_objects_and_routes_the_loop():
+    acc, plugin, model, opt, loader, sched = _setup(True)
+    assert isinstance(opt, ZeroOffloadAcceleratedOptimizer)
+    assert model is plugin.engine.module and model._is_accelerate_prepared
+    assert opt._is_accelerate_prepared and sched._is_accelerate_prepared
+    assert model in acc._models and opt in acc._optimizers
+    assert acc.unwrap_model(model) is model
+    # accelerator.prepare skips them now
+    assert acc.prepare(model, opt) == (model, opt)
+    # the scheduler drives the engine's live param groups
+    lr0 = plugin.engine.optimizer.param_groups[0]["lr"]
+    _run(acc, model, opt, loader, sched, stop=ACCUM)
+    assert plugin.engine.optimizer.param_groups[0]["lr"] < lr0
+    with pytest.raises(NotImplementedError, match="clip_grad_norm_"):
+        acc.clip_grad_value_(model.parameters(), 1.0)
+    with pytest.raises(ValueError, match="exactly"):
+        acc.clip_grad_norm_(list(model.parameters())[:2], 1.0)
+
+
+def test_flag_off_is_plain_prepare(monkeypatch):
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    monkeypatch.setenv("ZERO_OFFLOAD", "0")
+    acc, plugin, model, opt, loader, sched = _setup(offload=None)
+    assert plugin.engine is None and type(opt) is AcceleratedOptimizer
+    assert "backward" not in vars(acc) and "clip_grad_norm_" not in vars(acc)
+    _run(acc, model, opt, loader, sched)
+    w_off = _weights(acc, model)
+    _reset_accelerate()
+    plain, _ = _train(False)
+    assert _rel_err(w_off, plain) == 0.0
+
+
+def test_flag_on_from_env(monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD", "1")
+    monkeypatch.setenv("ZERO_OFFLOAD_BUCKET_SIZE_MB", "0.001")
+    acc, plugin, *_ = _setup(offload=None)
+    assert plugin.engine is not None
+    assert plugin.engine.config.bucket_size_mb == 0.001
+    assert plugin.engine.config.precision == "32-true"
+    assert len(plugin.engine.layout.buckets) > 1
+
+
+def test_save_load_state_resumes_exactly(tmp_path):
+    half = STEPS * ACCUM // 2
+    acc, _, model, opt, loader, sched = _setup(True)
+    _run(acc, model, opt, loader, sched, stop=half)
+    acc.save_state(str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "zero_offload").is_dir()
+    _run(acc, model, opt, loader, sched, skip=half)
+    straight = _weights(acc, model)
+
+    _reset_accelerate()
+    acc, _, model, opt, loader, sched = _setup(True)
+    acc.load_state(str(tmp_path / "ckpt"))
+    _run(acc, model, opt, loader, sched, skip=half)
+    resumed = _weights(acc, model)
+    assert _rel_err(resumed, straight) == 0.0
+
+
+def test_load_state_needs_engine_shards(tmp_path):
+    acc, _, model, opt, loader, sched = _setup(False)
+    acc.save_state(str(tmp_path / "plain"))
+    _reset_accelerate()
+    acc, *_ = _setup(True)
+    with pytest.raises(FileNotFoundError, match="zero_offload"):
+        acc.load_state(str(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"ZERO_OFFLOAD": "maybe"}, "ZERO_OFFLOAD="),
+        ({"ZERO_OFFLOAD_BUCKET_SIZE_MB": "big"}, "ZERO_OFFLOAD_BUCKET_SIZE_MB"),
+        ({"ZERO_OFFLOAD_MAX_GRAD_NROM": "1"}, "ZERO_OFFLOAD_MAX_GRAD_NROM"),
+        ({"ZERO_OFFLOAD_DELAYED_UPDATE": "sometimes"}, "ZERO_OFFLOAD_DELAYED_UPDATE"),
+        ({"ZERO_OFFLOAD_CPU_THREADS": "1.5"}, "ZERO_OFFLOAD_CPU_THREADS"),
+        ({"ZERO_OFFLOAD_CONFIG": "/nonexistent.json"}, "ZERO_OFFLOAD_CONFIG"),
+    ],
+)
+def test_bad_env_values_raise(monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        zero_offload_enabled()
+        config_overrides_from_env()
+
+
+def test_env_value_rejected_by_config_names_variables(monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD_BUCKET_SIZE_MB", "-1")
+    with pytest.raises(ValueError, match="bucket_size_mb.*ZERO_OFFLOAD_"):
+        ZeroOffloadPlugin(enabled=True).resolve_config("no")
+
+
+def test_config_file_and_variables(monkeypatch, tmp_path):
+    path = tmp_path / "zo.json"
+    path.write_text(json.dumps({"bucket_size_mb": 2, "max_grad_norm": 1.0}))
+    monkeypatch.setenv("ZERO_OFFLOAD_CONFIG", str(path))
+    monkeypatch.setenv("ZERO_OFFLOAD_MAX_GRAD_NORM", "none")
+    assert config_overrides_from_env() == {"bucket_size_mb": 2.0, "max_grad_norm": None}
+    yml = tmp_path / "zo.yaml"
+    yml.write_text("bucket_size_mb: 3\ncheck_host_memory: false\n")
+    monkeypatch.setenv("ZERO_OFFLOAD_CONFIG", str(yml))
+    config = ZeroOffloadPlugin(enabled=True).resolve_config("bf16")
+    assert (config.bucket_size_mb, config.check_host_memory, config.precision) == (
+        3.0, False, "bf16-mixed")
+    yml.write_text("bucket_size_mb: [3]\n")
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        config_overrides_from_env()
+    yml.write_text("bucket_sise_mb: 3\n")
+    with pytest.raises(ValueError, match="unknown option"):
+        config_overrides_from_env()
+
+
+def test_precision_follows_accelerate_and_conflicts_raise(monkeypatch):
+    from lightning_zero_offload import ZeroOffloadConfig
+
+    assert ZeroOffloadPlugin(enabled=True).resolve_config("fp16").precision == "16-mixed"
+    with pytest.raises(ValueError, match="mixed_precision"):
+        ZeroOffloadPlugin(enabled=True).resolve_config("fp8")
+    with pytest.raises(ValueError, match="does not match"):
+        ZeroOffloadPlugin(ZeroOffloadConfig(precision="bf16-mixed"), enabled=True).resolve_config(
+            "no")
+    monkeypatch.setenv("ZERO_OFFLOAD_BUCKET_SIZE_MB", "2")
+    with pytest.raises(ValueError, match="conflicts"):
+        ZeroOffloadPlugin(enabled=True, bucket_size_mb=3).resolve_config("no")
+    with pytest.raises(ValueError, match="one of the two"):
+        ZeroOffloadPlugin(ZeroOffloadConfig(precision="32-true"), enabled=True).resolve_config(
+            "no")
+    with pytest.raises(TypeError, match="unknown option"):
+        ZeroOffloadPlugin(enabled=True, bucket_mb=3)
+
+
+def test_bf16_trains_and_saves_fp32_master_weights():
+    _reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plugin = ZeroOffloadPlugin(enabled=True)
+    model, opt = plugin.prepare(accelerator, model, opt)
+    assert plugin.engine.compute_dtype == torch.bfloat16
+    x, y = _data(1).tensors
+    losses = []
+    for _ in range(20):
+        loss = nn.functional.mse_loss(model(x[:16]).float(), y[:16])
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    state = accelerator.get_state_dict(model)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    device = accelerator.get_state_dict(model, unwrap=False)
+    assert all(v.dtype == torch.bfloat16 for v in device.values())

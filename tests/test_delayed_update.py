@@ -1,0 +1,166 @@
+"""Delayed parameter update: exactly one step stale after the warm-up, nothing dropped.
+
+The reference is plain torch: fp32 master weights with ``torch.optim.AdamW`` + clipping, and a
+separate copy of the weights the forward pass uses. Steps 1..W copy the new master weights to the
+forward copy; after that step k copies the master weights from *before* step k (so step k+1's
+forward runs on weights through k-1), and a flush copies the latest.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _tiny_gpt import batches, lm_loss, make, param_groups
+
+from lightning_zero_offload import ZeroOffload
+
+W = 3
+STEPS = 9
+LR_DECAY = 0.9  # a scheduler: each step's lr must be the one in force when it was launched
+
+
+class StaleAdamW:
+    """Plain-torch one-step-stale AdamW with global-norm clipping."""
+
+    def __init__(self, model: torch.nn.Module, warmup: int, max_norm: float | None) -> None:
+        self.dev = model  # the weights forward/backward use
+        self.master = copy.deepcopy(model)
+        self.opt = torch.optim.AdamW(param_groups(self.master))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda k: LR_DECAY**k)
+        self.warmup, self.max_norm, self.k = warmup, max_norm, 0
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.k += 1
+        loss.backward()
+        for d, m in zip(self.dev.parameters(), self.master.parameters(), strict=True):
+            m.grad = d.grad.clone()
+            d.grad = None
+        if self.max_norm:
+            torch.nn.utils.clip_grad_norm_(self.master.parameters(), self.max_norm)
+        before = [m.detach().clone() for m in self.master.parameters()]
+        self.opt.step()
+        self.sched.step()
+        src = self.master.parameters() if self.k <= self.warmup else before
+        self.flush(src)
+
+    @torch.no_grad()
+    def flush(self, src: object = None) -> None:
+        for d, m in zip(self.dev.parameters(), src or self.master.parameters(), strict=True):
+            d.copy_(m)
+
+
+def _engine(model: torch.nn.Module, max_norm: float | None, **kw: object) -> tuple:
+    eng = ZeroOffload(model, torch.optim.AdamW(param_groups(model)), precision="32-true",
+                      max_grad_norm=max_norm, delayed_update=True, delayed_update_warmup=W, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda k: LR_DECAY**k)
+    return eng, sched
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_delayed_update_equals_one_step_stale_adamw(max_norm: float | None) -> None:
+    ref = StaleAdamW(make(), W, max_norm)
+    eng, sched = _engine(make(), max_norm)
+    data = batches(STEPS)
+    flush_at = 6  # a synchronize() mid-run applies the pending update early, as validation does
+    for k, (x, y) in enumerate(data, start=1):
+        ref_loss = lm_loss(ref.dev(x), y)
+        loss = lm_loss(eng.module(x), y)
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item()), k
+        ref.step(ref_loss)
+        eng.backward(loss)
+        eng.step()
+        sched.step()
+        eng.zero_grad()
+        if k == flush_at:
+            eng.synchronize()
+            ref.flush()
+            for p, q in zip(eng.module.parameters(), ref.dev.parameters(), strict=True):
+                assert _rel(p.detach(), q.detach()) < 1e-5
+    full = eng.full_state_dict()  # flushes the last pending update
+    ref_sd = ref.master.state_dict()
+    for name, t in full["model"].items():
+        assert _rel(t, ref_sd[name]) < 1e-5, name
+    ref_opt = ref.opt.state_dict()["state"]
+    for i, st in full["optimizer"]["state"].items():
+        assert _rel(st["exp_avg_sq"], ref_opt[i]["exp_avg_sq"]) < 1e-5
+        assert int(st["step"]) == STEPS
+    eng.teardown()
+
+
+def test_flush_on_state_dict_and_teardown() -> None:
+    ref = StaleAdamW(make(), W, None)
+    eng, sched = _engine(make(), None)
+    for x, y in batches(W + 3):
+        ref.step(lm_loss(ref.dev(x), y))
+        eng.backward(lm_loss(eng.module(x), y))
+        eng.step()
+        sched.step()
+        eng.zero_grad()
+    ref_master = [p.detach().clone() for p in ref.master.parameters()]
+    shard = eng.state_dict()  # flushes: the shard holds every update
+    assert shard["groups"][0]["step"] == W + 3
+    eng.teardown(copy_weights_to_module=True)
+    for p, m in zip(eng.module.parameters(), ref_master, strict=True):
+        assert p.dtype == torch.float32 and _rel(p.detach(), m) < 1e-5
+
+
+def test_delayed_off_is_unchanged_and_profile_is_recorded() -> None:
+    engine_model = make()
+    plain = ZeroOffload(engine_model, torch.optim.AdamW(param_groups(engine_model)),
+                        precision="32-true")
+    model = make()
+    ref_opt = torch.optim.AdamW(param_groups(model))
+    for x, y in batches(3):
+        lm_loss(model(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        plain.backward(lm_loss(plain.module(x), y))
+        plain.step()
+        plain.zero_grad()
+    for p, q in zip(plain.module.parameters(), model.parameters(), strict=True):
+        assert _rel(p.detach(), q.detach()) < 1e-5
+    recs = plain.profile
+    assert [r.step for r in recs] == [1, 2, 3] and plain.last_profile is recs[-1]
+    assert all(r.cpu_step > 0 and r.fwd_bwd > 0 for r in recs)
+
+
+def test_delayed_profile_has_a_worker_lane_and_stall() -> None:
+    eng, _ = _engine(make(), None)
+    for x, y in batches(W + 4):
+        eng.backward(lm_loss(eng.module(x), y))
+        eng.step()
+        eng.zero_grad()
+    eng.synchronize()
+    recs = eng.profile
+    assert [r.step for r in recs] == list(range(1, W + 5))
+    late = recs[W + 1]
+    assert late.cpu_step > 0 and any(s[0] == "stall" for s in late.spans)
+    eng.teardown()
+
+
+def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_zero_offload.core.engine as engine_mod
+
+    eng, _ = _engine(make(), None)
+    data = batches(W + 3)
+    for x, y in data[:W]:
+        eng.backward(lm_loss(eng.module(x), y))
+        eng.step()
+        eng.zero_grad()
+
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(engine_mod, "fused_adamw_", boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        for x, y in data[W:]:
+            eng.backward(lm_loss(eng.module(x), y))
+            eng.step()
+            eng.zero_grad()
+        eng.synchronize()

@@ -1,0 +1,437 @@
+"""Single-rank engine tests: the engine against torch.optim.AdamW on the same model and data."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _tiny_gpt import batches, lm_loss, make, param_groups
+from torch import nn
+
+from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel_err(a: nn.Module | list, b: nn.Module | list) -> float:
+    pa = list(a.parameters()) if isinstance(a, nn.Module) else a
+    pb = list(b.parameters()) if isinstance(b, nn.Module) else b
+    assert len(pa) == len(pb)
+    pairs = zip(pa, pb, strict=True)
+    return max(((x.float() - y.float()).norm() / x.float().norm()).item() for x, y in pairs)
+
+
+def reference(steps: int, clip: float | None = None, optim=torch.optim.AdamW, seed: int = 0,
+              sched=None, **kw):
+    model = make(seed)
+    opt = optim(param_groups(model), lr=1e-2, weight_decay=0.1, **kw)
+    scheduler = sched(opt) if sched else None
+    norms = []
+    for x, y in batches(steps):
+        lm_loss(model(x), y).backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        if scheduler:
+            scheduler.step()
+    return model, opt, norms
+
+
+def engine_for(seed: int = 0, optim=torch.optim.AdamW, opt_kw=None, **cfg) -> ZeroOffload:
+    model = make(seed)
+    opt = optim(param_groups(model), lr=1e-2, weight_decay=0.1, **(opt_kw or {}))
+    cfg.setdefault("bucket_size_mb", 0.01)  # several buckets even for the tiny model
+    return ZeroOffload(model, opt, **cfg)
+
+
+def train(engine: ZeroOffload, data, sched=None) -> list:
+    norms = []
+    for x, y in data:
+        engine.backward(lm_loss(engine.module(x), y))
+        norm = engine.step()
+        norms.append(None if norm is None else norm.item())
+        engine.zero_grad()
+        if sched:
+            sched.step()
+    return norms
+
+
+def test_fp32_matches_torch_adamw_with_clipping():
+    ref, _, ref_norms = reference(20, clip=0.5)
+    engine = engine_for(precision="32-true", max_grad_norm=0.5)
+    assert len(engine.layout.buckets) > 3
+    norms = train(engine, batches(20))
+    assert rel_err(ref, engine.module) < 1e-5
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert engine.last_grad_norm == pytest.approx(ref_norms[-1], rel=1e-5)
+
+
+def test_clip_grad_norm_method_matches_torch():
+    ref, _, ref_norms = reference(10, clip=0.3)
+    engine = engine_for(precision="32-true")
+    norms = []
+    for x, y in batches(10):
+        engine.backward(lm_loss(engine.module(x), y))
+        norms.append(engine.clip_grad_norm_(0.3).item())
+        engine.step()
+        engine.zero_grad()
+    assert rel_err(ref, engine.module) < 1e-5
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+
+
+def test_no_clipping_and_adam_l2_decay():
+    ref, _, _ = reference(10, optim=torch.optim.Adam)
+    engine = engine_for(precision="32-true", optim=torch.optim.Adam)
+    assert train(engine, batches(10)) == [None] * 10
+    assert rel_err(ref, engine.module) < 1e-5
+
+
+@pytest.mark.parametrize("sched", [
+    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+    lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
+])
+def test_lr_schedulers_on_facade(sched):
+    ref, ref_opt, _ = reference(8, clip=1.0, sched=sched)
+    engine = engine_for(precision="32-true", max_grad_norm=1.0)
+    assert isinstance(engine.optimizer, torch.optim.Optimizer)
+    train(engine, batches(8), sched=sched(engine.optimizer))
+    assert rel_err(ref, engine.module) < 1e-5
+    assert [g["lr"] for g in engine.optimizer.param_groups] == pytest.approx(
+        [g["lr"] for g in ref_opt.param_groups])
+
+
+def test_bf16_mixed_weights_are_views_and_track_fp32():
+    ref, _, _ = reference(10, clip=1.0)
+    engine = engine_for(precision="bf16-mixed", max_grad_norm=1.0)
+    assert engine.compute_dtype == torch.bfloat16
+    for p in engine.module.parameters():
+        assert p.dtype == torch.bfloat16
+        assert any(w.data_ptr() <= p.data_ptr() < w.data_ptr() + w.numel() * 2
+                   for w in engine._weights)
+    train(engine, batches(10))
+    full = engine.full_state_dict()["model"]
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p, full[name].to(torch.bfloat16))  # device copy = rounded master
+    assert rel_err(ref, engine.module) < 3e-2
+    assert engine.module.blocks[0].ln1.weight.dtype == torch.bfloat16
+    out = engine.module(batches(1)[0][0])  # inputs are cast by the pre-hook; ints untouched
+    assert out.dtype == torch.bfloat16
+
+
+def test_full_state_dict_is_torch_format_and_round_trips():
+    engine = engine_for(precision="32-true", max_grad_norm=1.0)
+    train(engine, batches(5))
+    full = engine.full_state_dict()
+    plain = make(1)
+    plain.load_state_dict(full["model"])
+    opt = torch.optim.AdamW(param_groups(plain), lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(full["optimizer"])
+    data = batches(5, seed=1)
+    for x, y in data:
+        lm_loss(plain(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    train(engine, data)
+    assert rel_err(plain, engine.module) < 1e-5
+    # and a plain pair loads into a fresh engine, which then continues like the plain run
+    fresh = engine_for(seed=3, precision="32-true", max_grad_norm=1.0)
+    fresh.load_full_state_dict({"model": plain.state_dict(), "optimizer": opt.state_dict()})
+    assert rel_err(plain, fresh.module) == 0
+    data = batches(3, seed=2)
+    train(fresh, data)
+    for x, y in data:
+        lm_loss(plain(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    assert rel_err(plain, fresh.module) < 1e-5
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_resume_from_state_dict_is_bit_identical(precision):
+    data = batches(8)
+    whole = engine_for(precision=precision, max_grad_norm=1.0)
+    train(whole, data)
+    first = engine_for(precision=precision, max_grad_norm=1.0)
+    train(first, data[:4])
+    saved = copy.deepcopy(first.state_dict())
+    train(first, batches(2, seed=9))  # training on must not change what was saved
+    second = engine_for(seed=5, precision=precision, max_grad_norm=1.0)
+    second.optimizer.load_state_dict(saved)
+    train(second, data[4:])
+    for a, b in zip(whole.module.parameters(), second.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(whole.state_dict()["groups"], second.state_dict()["groups"], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+    assert whole.loss_scale == second.loss_scale
+
+
+def test_accumulation_equals_big_batch():
+    big = [(torch.cat([x for x, _ in batches(4, seed=s)]), torch.cat([y for _, y in
+            batches(4, seed=s)])) for s in range(3)]
+    one = engine_for(precision="32-true", max_grad_norm=0.5)
+    train(one, big)
+    four = engine_for(precision="32-true", max_grad_norm=0.5)
+    for s in range(3):
+        for x, y in batches(4, seed=s):
+            four.backward(lm_loss(four.module(x), y) / 4)
+        four.step()
+        four.zero_grad()
+    assert rel_err(one.module, four.module) < 1e-5
+    # no_sync (local accumulation on the device) gives the same result at one rank
+    ns = engine_for(precision="32-true", max_grad_norm=0.5)
+    for s in range(3):
+        mb = batches(4, seed=s)
+        with ns.no_sync():
+            for x, y in mb[:3]:
+                ns.backward(lm_loss(ns.module(x), y) / 4)
+        ns.backward(lm_loss(ns.module(mb[3][0]), mb[3][1]) / 4)
+        ns.step()
+        ns.zero_grad()
+    assert rel_err(one.module, ns.module) < 1e-5
+
+
+def test_fp16_overflow_skips_exactly_that_step():
+    engine = engine_for(precision="16-mixed", max_grad_norm=1.0, initial_loss_scale=1024.0)
+    data = batches(5)
+    train(engine, data[:2])
+    before = copy.deepcopy(engine.state_dict())
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    x, y = data[2]
+    loss = lm_loss(engine.module(x), y)
+    engine.backward(loss * float("inf"))
+    engine.step()
+    engine.zero_grad()
+    assert engine.last_step_skipped and engine.loss_scale == 512.0
+    after = engine.state_dict()
+    for a, b in zip(before["groups"], after["groups"], strict=True):
+        assert a["step"] == b["step"]
+        assert all(torch.equal(a[k], b[k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters(), strict=True))
+    train(engine, data[2:])
+    assert not engine.last_step_skipped and engine._steps[0] == 5
+    assert engine.state_dict()["scaler"]["scale"] == 512.0
+
+
+def test_fp16_scaler_grows_and_is_checkpointed():
+    engine = engine_for(precision="16-mixed", initial_loss_scale=8.0, loss_scale_growth_interval=2)
+    train(engine, batches(4))
+    assert engine.loss_scale == 32.0
+    other = engine_for(precision="16-mixed", initial_loss_scale=8.0)
+    other.load_state_dict(copy.deepcopy(engine.state_dict()))
+    assert other.loss_scale == 32.0
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(torch.tanh(self.mid(self.emb(x)))))
+
+
+def test_tied_frozen_and_unused_parameters():
+    torch.manual_seed(0)
+    ref = Tied()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                         precision="32-true", bucket_size_mb=0.001)
+    assert len(engine.layout.slots) == 5  # emb/head once, mid w+b, unused w+b; frozen not managed
+    frozen = [p.detach().clone() for p in model.frozen.parameters()]
+    for _ in range(5):
+        x = torch.randint(0, 10, (4, 3))
+        loss = ref(x).square().mean()
+        loss.backward()
+        for p in ref.unused.parameters():  # DDP with find_unused_parameters: zero gradient
+            p.grad = torch.zeros_like(p)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(engine.module(x).square().mean())
+        engine.step()
+        engine.zero_grad()
+    assert engine.module.head.weight is engine.module.emb.weight
+    assert rel_err(ref, engine.module) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(frozen, model.frozen.parameters(), strict=True))
+    full = engine.full_state_dict()
+    assert torch.equal(full["model"]["head.weight"], full["model"]["emb.weight"])
+
+
+def test_bad_inputs_raise_clear_errors():
+    model = make()
+    with pytest.raises(TypeError, match="AdamW and torch.optim.Adam"):
+        ZeroOffload(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="amsgrad"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
+    with pytest.raises(ValueError, match="maximize"):
+        ZeroOffload(model, torch.optim.Adam(model.parameters(), maximize=True))
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not a parameter of the module"):
+        ZeroOffload(model, torch.optim.AdamW([*model.parameters(), stranger]))
+    sparse = nn.Embedding(4, 4, sparse=True)
+    with pytest.raises(ValueError, match="sparse"):
+        ZeroOffload(sparse, torch.optim.Adam(sparse.parameters()))
+    with pytest.raises(ValueError, match="precision"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="bf16-true")
+    with pytest.raises(TypeError, match="unknown option"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), max_grad_nrom=1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ZeroOffloadConfig(max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        ZeroOffloadConfig(bucket_size_mb=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory"):
+            ZeroOffloadConfig(pin_memory=True)
+        with pytest.raises(ValueError, match="CUDA"):
+            ZeroOffload(model, torch.optim.AdamW(model.parameters()), device="cuda")
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="already belongs"):
+        ZeroOffload(model, engine.optimizer)
+    with pytest.raises(RuntimeError, match="cannot be added"):
+        engine.optimizer.add_param_group({"params": [stranger]})
+    with pytest.raises(ValueError, match="not a ZeroOffload shard"):
+        engine.load_state_dict({"foo": 1})
+    with pytest.raises(ValueError, match="model keys"):
+        engine.load_full_state_dict({"model": {"x": torch.zeros(1)}})
+
+
+def test_parameters_added_after_setup_fail_at_step():
+    engine = engine_for(precision="32-true")
+    engine.inner_optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine.module(x), y))
+    with pytest.raises(RuntimeError, match="changed after setup"):
+        engine.step()
+    engine = engine_for(precision="32-true")
+    engine.module.extra = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="gained or lost parameters"):
+        engine.step()
+    engine = engine_for(precision="bf16-mixed")
+    engine.module.float()
+    with pytest.raises(RuntimeError, match="flat buffer"):
+        engine.step()
+
+
+def test_unused_grad_norm_paths_agree():
+    """The device-side sum of squares (one flush per bucket) equals the host pass."""
+    engine = engine_for(precision="32-true")
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine.module(x), y))
+    device_side = engine._global_norm(2.0)
+    engine._streamer.stats = []
+    engine._streamer.flushes = [2] * len(engine._streamer.flushes)
+    assert engine._global_norm(2.0) == pytest.approx(device_side, rel=1e-6)
+    inf_norm = engine._global_norm(float("inf"))
+    assert inf_norm == pytest.approx(max(g.abs().max().item() for g in engine._grads))
+
+
+def test_checkpoint_files_are_atomic_and_corruption_is_reported(tmp_path, monkeypatch):
+    from lightning_zero_offload.core import CheckpointError
+    from lightning_zero_offload.core import state as ckpt
+
+    engine = engine_for(precision="32-true")
+    train(engine, batches(2))
+    good = tmp_path / "full.pt"
+    engine.save_checkpoint(good, sharded=False)
+    saved = [p.detach().clone() for p in engine.module.parameters()]
+    train(engine, batches(1, seed=3))
+
+    def crash(obj, f):  # dies after writing part of the file
+        f.write(b"PK\x03\x04 partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(ckpt.torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(good, sharded=False)
+    with pytest.raises(KeyboardInterrupt):
+        engine.save_checkpoint(tmp_path / "sharded")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "sharded.tmp"]
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        engine.load_checkpoint(tmp_path / "sharded")
+    engine.load_checkpoint(good)  # the old file is intact
+    assert all(torch.equal(a, b) for a, b in zip(saved, engine.module.parameters(), strict=True))
+
+    engine.save_checkpoint(tmp_path / "sharded")  # a stale .tmp folder is replaced
+    engine.load_checkpoint(tmp_path / "sharded")
+    data = good.read_bytes()
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        engine.load_checkpoint(bad)
+    torch.save({"x": 1}, bad)
+    with pytest.raises(CheckpointError, match="not a lightning_zero_offload checkpoint"):
+        engine.load_checkpoint(bad)
+
+
+def test_preflight_reports_both_numbers_and_changes_nothing(monkeypatch):
+    from lightning_zero_offload.core import preflight
+
+    class Mem:
+        available = 1000
+
+    monkeypatch.setattr(preflight.psutil, "virtual_memory", lambda: Mem())
+    model = make()
+    before = [(p.data_ptr(), p.dtype) for p in model.parameters()]
+    with pytest.raises(MemoryError, match=r"needs .* GiB .*\(\d+ bytes\).* only .*\(1000 bytes\)"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()))
+    assert [(p.data_ptr(), p.dtype) for p in model.parameters()] == before
+    ZeroOffload(model, torch.optim.AdamW(model.parameters()), check_host_memory=False)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_teardown_returns_ordinary_fp32_parameters(precision):
+    engine = engine_for(precision=precision)
+    train(engine, batches(2))
+    master = engine.full_state_dict()["model"]
+    model = engine.module
+    engine.teardown()
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.untyped_storage().nbytes() == p.numel() * 4
+        assert torch.equal(p.detach(), master[name])
+    x, y = batches(1)[0]
+    lm_loss(model(x), y).backward()  # hooks are gone: plain autograd fills .grad
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="torn down"):
+        engine.step()
+
+
+def test_facade_closure_state_dict_and_mismatched_shard():
+    engine = engine_for(precision="32-true")
+    x, y = batches(1)[0]
+
+    def closure():
+        loss = lm_loss(engine.module(x), y)
+        engine.backward(loss)
+        return loss
+
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    loss = engine.optimizer.step(closure)
+    assert loss is not None and engine._steps == [1, 1]
+    assert not all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(),
+                                                         strict=True))
+    shard = engine.optimizer.state_dict()
+    assert shard["groups"][0]["step"] == 1
+    small = make(layers=1)
+    other = ZeroOffload(small, torch.optim.AdamW(param_groups(small)))
+    with pytest.raises(ValueError, match="different model"):
+        other.load_state_dict(shard)
+    with pytest.raises(ValueError, match="optimizer state does not match"):
+        engine.load_full_state_dict({"model": engine.full_state_dict()["model"],
+                                     "optimizer": {"state": {}, "param_groups": []}})

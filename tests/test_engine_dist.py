@@ -1,0 +1,151 @@
+"""Multi-rank engine tests (gloo, spawned CPU processes): N ranks equal 1 rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+from _tiny_gpt import batches, lm_loss, make, param_groups
+from torch import nn
+
+from lightning_zero_offload import ZeroOffload
+
+pytestmark = pytest.mark.slow
+
+
+def _engine(precision: str = "32-true", seed: int = 0, **cfg) -> ZeroOffload:
+    model = make(seed)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
+    cfg.setdefault("bucket_size_mb", 0.01)
+    return ZeroOffload(model, opt, precision=precision, max_grad_norm=0.5, **cfg)
+
+
+def _split(data, rank: int, world: int):
+    per = data[0][0].shape[0] // world
+    return [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
+
+
+def _train(engine: ZeroOffload, data, micro: int = 1) -> None:
+    for x, y in data:
+        xs, ys = x.chunk(micro), y.chunk(micro)
+        for i in range(micro):
+            sync = i == micro - 1
+            engine.backward(lm_loss(engine.module(xs[i]), ys[i]) / micro, sync_gradients=sync)
+        engine.step()
+        engine.zero_grad()
+
+
+def _params(engine: ZeroOffload) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def _close(a: list, b: list, tol: float = 1e-5) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert ((x - y).norm() / x.norm()).item() <= tol
+
+
+def _ranks_train(rank: int, world: int) -> dict:
+    out = {}
+    for micro in (1, 2):
+        engine = _engine()
+        _train(engine, _split(batches(6), rank, world), micro)
+        out[micro] = {"params": _params(engine), "shard": engine.layout.shard_numel,
+                      "norm": engine.last_grad_norm, "full": engine.full_state_dict()}
+    engine = _engine("bf16-mixed")
+    _train(engine, _split(batches(4), rank, world))
+    out["bf16"] = _params(engine)
+    return out
+
+
+def test_two_ranks_equal_one_rank():
+    """Also: accumulation with sync_gradients=False (micro=2) and bf16 ranks agreeing exactly."""
+    two = run_ranks(_ranks_train, 2)
+    for micro in (1, 2):
+        one = _engine()
+        _train(one, batches(6), micro)
+        for r in range(2):
+            got = two[r][micro]
+            _close(_params(one), got["params"])
+            assert got["norm"] == pytest.approx(one.last_grad_norm, rel=1e-5)
+        assert two[0][micro]["shard"] * 2 == pytest.approx(one.layout.shard_numel, rel=0.1)
+        ref, full = one.full_state_dict(), two[1][micro]["full"]
+        names = list(ref["model"])
+        _close([ref["model"][k] for k in names], [full["model"][k] for k in names])
+        ref_m = [s["exp_avg"] for s in ref["optimizer"]["state"].values()]
+        _close(ref_m, [s["exp_avg"] for s in full["optimizer"]["state"].values()], 1e-4)
+        assert ref["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
+    for a, b in zip(two[0]["bf16"], two[1]["bf16"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _save_then_continue(rank: int, world: int, path: str) -> list:
+    engine = _engine()
+    _train(engine, _split(batches(3), rank, world))
+    engine.save_checkpoint(path)
+    _train(engine, _split(batches(3, seed=1), rank, world))
+    return _params(engine)
+
+
+def _load_then_continue(rank: int, world: int, path: str) -> list:
+    engine = _engine(seed=7)
+    engine.load_checkpoint(path)
+    _train(engine, _split(batches(3, seed=1), rank, world))
+    return _params(engine)
+
+
+def test_sharded_checkpoint_two_ranks_to_one_and_back(tmp_path):
+    path = str(tmp_path / "ckpt")
+    two = run_ranks(_save_then_continue, 2, path)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+    one = _engine(seed=7)
+    one.load_checkpoint(path)
+    _train(one, batches(3, seed=1))
+    _close(two[0], _params(one))
+    # the reverse: one rank writes, two ranks resume
+    path1 = str(tmp_path / "ckpt1")
+    single = _engine()
+    _train(single, batches(3))
+    single.save_checkpoint(path1)
+    _train(single, batches(3, seed=1))
+    resumed = run_ranks(_load_then_continue, 2, path1)
+    _close(_params(single), resumed[1])
+
+
+class Branchy(nn.Module):
+    """Rank 0 uses branch ``a``, rank 1 branch ``b``: unused parameters differ across ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        return self.out((self.a if branch == 0 else self.b)(x))
+
+
+def _branchy(rank: int, world: int) -> list:
+    torch.manual_seed(0)
+    model = Branchy()
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                         precision="32-true", bucket_size_mb=0.0001)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
+        engine.backward(engine.module(x, rank).square().mean())
+        engine.step()
+        engine.zero_grad()
+    return _params(engine)
+
+
+def test_unused_parameters_differ_across_ranks():
+    got = run_ranks(_branchy, 2)
+    torch.manual_seed(0)
+    ref = Branchy()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for step in range(3):
+        loss = sum(ref(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + r)),
+                       r).square().mean() for r in range(2)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    _close([p.detach() for p in ref.parameters()], got[0])
+    _close(got[0], got[1], tol=0)

@@ -1,0 +1,458 @@
+"""Trainer(strategy="zero_offload") against the default strategy, checkpoints, and its errors."""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero_offload
+from lightning_zero_offload import ZeroOffloadConfig, ZeroOffloadStrategy
+from lightning_zero_offload.lightning import ZeroOffloadPrecision
+from lightning_zero_offload.lightning.checkpoint import consolidate_checkpoint
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*The number of training batches.*")
+
+
+def data(n: int = 32, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, y)
+
+
+class Net(LightningModule):
+    def __init__(
+        self, lr: float = 5e-2, optimizer: str = "adamw", scheduler: str = "lists"
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.norms: list[float] = []
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y))
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        params = self.parameters()
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=self.hparams.lr)
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        form = self.hparams.scheduler  # Lightning's return forms
+        sched = torch.optim.lr_scheduler
+        if form == "none":
+            return optimizer
+        if form == "lists":
+            step_lr = sched.StepLR(optimizer, step_size=2, gamma=0.5)
+            return [optimizer], [{"scheduler": step_lr, "interval": "step"}]
+        if form == "epoch":
+            return [optimizer], [sched.StepLR(optimizer, step_size=1, gamma=0.3)]
+        if form == "dict":
+            lam = sched.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lam, "interval": "step"}}
+        plateau = sched.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        config = {"scheduler": plateau, "monitor": "train_loss", "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+class PlainNormNet(Net):
+    """Records the pre-clip global gradient norm the way torch computes it."""
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+
+class OffloadNormNet(Net):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self.norms.append(float(self.trainer.strategy.grad_norm))
+
+
+def trainer(strategy="auto", tmp_path=None, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        precision="32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        use_distributed_sampler=False,  # same batches as the single-device default strategy
+    )
+    options.update(kwargs)
+    return Trainer(strategy=strategy, **options)
+
+
+def loader(n: int = 32, batch_size: int = 4) -> DataLoader:
+    return DataLoader(data(n), batch_size=batch_size, shuffle=False)
+
+
+def fit(model_cls=Net, strategy="auto", tmp_path=None, model_kwargs=None, **kwargs):
+    seed_everything(0)
+    model = model_cls(**(model_kwargs or {}))
+    t = trainer(strategy, tmp_path, **kwargs)
+    t.fit(model, loader())
+    return model, t
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        err = (a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)
+        assert err <= rel, f"{k}: relative error {err:.2e}"
+
+
+def test_registered_in_both_registries_and_idempotent():
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_zero_offload.lightning.register()  # a second call is harmless
+    assert StrategyRegistry["zero_offload"]["strategy"] is ZeroOffloadStrategy
+    assert "zero_offload" in STRATEGY_REGISTRY
+    assert isinstance(trainer("zero_offload").strategy, ZeroOffloadStrategy)
+
+
+def test_matches_default_strategy_fp32(tmp_path):
+    ref, ref_trainer = fit(PlainNormNet, "auto", tmp_path / "ref")
+    off, off_trainer = fit(OffloadNormNet, "zero_offload", tmp_path / "off")
+    assert ref_trainer.global_step == off_trainer.global_step == 6
+    assert_close(weights(off), weights(ref))
+    assert all(v.dtype == torch.float32 for v in off.state_dict().values())
+    # the pre-clip global norm the strategy reports is torch's
+    torch.testing.assert_close(torch.tensor(off.norms), torch.tensor(ref.norms), rtol=1e-5, atol=0)
+    assert off_trainer.strategy.engine is None  # teardown released the engine
+
+
+def test_lr_monitor_and_scheduler_see_live_groups(tmp_path):
+    logged = {}
+    for name, strategy in (("ref", "auto"), ("off", "zero_offload")):
+        logger = CSVLogger(tmp_path, name=name)
+        fit(
+            Net,
+            strategy,
+            tmp_path,
+            logger=logger,
+            callbacks=[LearningRateMonitor(logging_interval="step")],
+            log_every_n_steps=1,
+        )
+        with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+            rows = list(csv.DictReader(f))
+        keys = [k for k in rows[0] if k.startswith("lr-")]
+        assert len(keys) == 1, keys  # one optimizer, not the user's plus the engine's
+        logged[name] = [float(r[keys[0]]) for r in rows if r[keys[0]]]
+    assert logged["off"] == logged["ref"]
+    assert logged["off"][-1] < logged["off"][0]  # the StepLR schedule acted
+
+
+@pytest.mark.parametrize("form", ["epoch", "dict", "plateau"])
+def test_scheduler_return_forms_act_on_the_engine(tmp_path, form):
+    ref, _ = fit(Net, "auto", tmp_path / "ref", model_kwargs={"scheduler": form})
+    off, t = fit(Net, "zero_offload", tmp_path / "off", model_kwargs={"scheduler": form})
+    assert_close(weights(off), weights(ref))
+    assert t.lr_scheduler_configs[0].scheduler.optimizer is t.optimizers[0]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    kwargs = dict(max_epochs=4, max_steps=-1)
+    full, _ = fit(Net, "zero_offload", tmp_path / "a", **kwargs)
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    fit(
+        Net,
+        "zero_offload",
+        tmp_path / "b",
+        max_epochs=2,
+        max_steps=-1,
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+    )
+    path = tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    assert path.is_file()
+    seed_everything(0)
+    resumed = Net()
+    trainer("zero_offload", tmp_path / "c", **kwargs).fit(resumed, loader(), ckpt_path=path)
+    for k, v in weights(full).items():
+        assert torch.equal(weights(resumed)[k], v), k
+
+
+def test_checkpoint_is_plain_fp32_and_loads_without_strategy(tmp_path):
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    model, _ = fit(
+        Net,
+        "zero_offload",
+        tmp_path,
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+        precision="bf16-mixed",
+    )
+    path = tmp_path / "epoch=1-step=6.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    state = checkpoint["state_dict"]
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert_close(state, weights(model), rel=0)  # the fp32 masters, not bf16 device copies
+    (optimizer_state,) = checkpoint["optimizer_states"]
+    plain = torch.optim.AdamW(Net().parameters())
+    plain.load_state_dict(optimizer_state)  # torch's AdamW format
+    assert float(plain.state[plain.param_groups[0]["params"][0]]["step"]) == 6
+    loaded = Net.load_from_checkpoint(path)
+    assert_close(weights(loaded), state, rel=0)
+
+
+def test_resume_zero_offload_checkpoint_with_default_strategy(tmp_path):
+    """The checkpoint's optimizer state is torch AdamW's: the default strategy resumes from it."""
+    kwargs = dict(max_epochs=4, max_steps=-1)
+    full, _ = fit(Net, "zero_offload", tmp_path / "a", **kwargs)
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    fit(
+        Net,
+        "zero_offload",
+        tmp_path / "b",
+        max_epochs=2,
+        max_steps=-1,
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+    )
+    seed_everything(0)
+    resumed = Net()
+    trainer("auto", tmp_path / "c", **kwargs).fit(
+        resumed, loader(), ckpt_path=tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    )
+    assert_close(weights(resumed), weights(full))
+
+
+def test_sharded_checkpoint_resume_and_consolidate(tmp_path):
+    kwargs = dict(max_epochs=4, max_steps=-1)
+    full, _ = fit(Net, "zero_offload", tmp_path / "a", **kwargs)
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    half, _ = fit(
+        Net,
+        ZeroOffloadStrategy(sharded_checkpoint=True),
+        tmp_path / "b",
+        max_epochs=2,
+        max_steps=-1,
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+    )
+    path = tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    assert path.is_dir() and len(list(path.glob("shard-*"))) == 1
+    seed_everything(0)
+    resumed = Net()
+    trainer(ZeroOffloadStrategy(sharded_checkpoint=True), tmp_path / "c", **kwargs).fit(
+        resumed, loader(), ckpt_path=path
+    )
+    for k, v in weights(full).items():
+        assert torch.equal(weights(resumed)[k], v), k
+    consolidate_checkpoint(path, tmp_path / "one.ckpt")
+    assert_close(weights(Net.load_from_checkpoint(tmp_path / "one.ckpt")), weights(half), rel=0)
+
+
+def test_validate_test_predict_use_device_weights(tmp_path):
+    dtypes = []
+
+    class Probe(Net):
+        def validation_step(self, batch, batch_idx):
+            dtypes.append(self.net[0].weight.dtype)
+            return super().validation_step(batch, batch_idx)
+
+    seed_everything(0)
+    model = Probe()
+    t = trainer(
+        "zero_offload", tmp_path, precision="bf16-mixed", val_check_interval=4, limit_val_batches=2
+    )
+    t.fit(model, loader(), loader())
+    assert dtypes and set(dtypes) == {torch.bfloat16}  # validation ran on the engine's weights
+    assert model.net[0].weight.dtype == torch.float32  # teardown gave back fp32 masters
+    assert t.validate(model, loader(), verbose=False)[0]["val_loss"] > 0
+    assert t.test(model, loader(), verbose=False)[0]["val_loss"] > 0
+    predictions = t.predict(model, loader())
+    assert len(predictions) == 8 and predictions[0].shape == (4, 4)
+
+
+def test_bf16_mixed_trains_and_loss_falls(tmp_path):
+    model, t = fit(
+        Net,
+        "zero_offload",
+        tmp_path,
+        precision="bf16-mixed",
+        max_steps=40,
+        max_epochs=-1,
+        model_kwargs={"scheduler": "none", "lr": 1e-2},
+    )
+    assert isinstance(t.strategy.precision_plugin, ZeroOffloadPrecision)
+    first, last = sum(model.losses[:8]) / 8, sum(model.losses[-8:]) / 8
+    assert last < 0.8 * first
+
+
+def test_manual_optimization_matches_default(tmp_path):
+    class Manual(Net):
+        def __init__(self):
+            super().__init__(scheduler="none")
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+    results = []
+    for strategy in ("auto", "zero_offload"):
+        model, _ = fit(
+            Manual, strategy, tmp_path, gradient_clip_val=None, accumulate_grad_batches=1
+        )
+        results.append(weights(model))
+    assert_close(results[1], results[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"precision": "64-true"}, ValueError, "does not support precision '64-true'"),
+        ({"precision": "bf16-true"}, ValueError, "use 'bf16-mixed'"),
+        ({"precision": "16-true"}, ValueError, "choose one of"),
+    ],
+)
+def test_unsupported_precision_fails_at_trainer_creation(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        trainer("zero_offload", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("model_kwargs", "trainer_kwargs", "error", "match"),
+    [
+        ({"optimizer": "sgd"}, {}, TypeError, "AdamW"),
+        ({}, {"gradient_clip_algorithm": "value"}, ValueError, "gradient_clip_algorithm='norm'"),
+    ],
+)
+def test_unsupported_training_setups_raise(tmp_path, model_kwargs, trainer_kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fit(Net, "zero_offload", tmp_path, model_kwargs=model_kwargs, **trainer_kwargs)
+
+
+def test_two_optimizers_raise(tmp_path):
+    class Two(Net):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            return [
+                torch.optim.AdamW(self.net[0].parameters()),
+                torch.optim.AdamW(self.net[2].parameters()),
+            ]
+
+    with pytest.raises(ValueError, match="exactly one optimizer"):
+        fit(Two, "zero_offload", tmp_path, gradient_clip_val=None, accumulate_grad_batches=1)
+
+
+def test_strategy_options():
+    strategy = ZeroOffloadStrategy(bucket_size_mb=1.0, cpu_threads=1)
+    assert strategy.config == ZeroOffloadConfig(bucket_size_mb=1.0, cpu_threads=1)
+    with pytest.raises(TypeError, match="unknown option"):
+        ZeroOffloadStrategy(bucket_mb=1)
+    with pytest.raises(TypeError, match="Trainer"):
+        ZeroOffloadStrategy(precision="bf16-mixed")
+    with pytest.raises(ValueError, match="disagrees"):
+        trainer(ZeroOffloadStrategy(ZeroOffloadConfig(precision="16-mixed"))).fit(Net(), loader())
+
+
+def test_lightning_cli_class_path(tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    argv = [
+        "prog",
+        "--trainer.strategy=lightning_zero_offload.ZeroOffloadStrategy",
+        "--trainer.strategy.sharded_checkpoint=true",
+        "--trainer.strategy.config.cpu_threads=1",
+        "--trainer.accelerator=cpu",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    cli = LightningCLI(Net, run=False, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZeroOffloadStrategy)
+    assert strategy.sharded_checkpoint and strategy.config.cpu_threads == 1
+
+
+@pytest.mark.slow
+def test_two_processes_match_ddp(tmp_path):
+    """2 CPU ranks (gloo): zero_offload (partitioned) ends where DDP does."""
+    results = {}
+    for name, strategy in (
+        ("ddp", "ddp_spawn"),
+        ("off", ZeroOffloadStrategy(start_method="spawn")),
+    ):
+        model, _ = fit(Net, strategy, tmp_path / name, devices=2, use_distributed_sampler=True)
+        results[name] = weights(model)  # the spawn launcher copies rank 0's weights back
+    assert_close(results["off"], results["ddp"])
+
+
+def test_fp16_loss_scaler_is_checkpointed_and_resumes(tmp_path):
+    """fp16 (forced on the CPU through the plugin): the engine's loss scaler travels with the
+    optimizer state and a resumed run ends bit-exactly where the uninterrupted one does."""
+    plugins = [ZeroOffloadPrecision("16-mixed")]
+    kwargs = dict(max_epochs=4, max_steps=-1, precision=None, plugins=plugins)
+    full, t = fit(Net, "zero_offload", tmp_path / "a", **kwargs)
+    assert isinstance(t.strategy.precision_plugin, ZeroOffloadPrecision)
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    fit(
+        Net,
+        "zero_offload",
+        tmp_path / "b",
+        enable_checkpointing=True,
+        callbacks=[ckpt_cb],
+        **{**kwargs, "max_epochs": 2},
+    )
+    path = tmp_path / "ckpt" / "epoch=1-step=8.ckpt"
+    (optimizer_state,) = torch.load(path, weights_only=False)["optimizer_states"]
+    assert optimizer_state["zero_offload_scaler"]["scale"] == 2.0**16
+    seed_everything(0)
+    resumed = Net()
+    trainer("zero_offload", tmp_path / "c", **kwargs).fit(resumed, loader(), ckpt_path=path)
+    for k, v in weights(full).items():
+        assert torch.equal(weights(resumed)[k], v), k
+    # evaluation straight from the checkpoint (no engine: the fp32 weights on the device)
+    result = trainer("zero_offload", tmp_path / "d").validate(
+        Net(), loader(), ckpt_path=path, verbose=False
+    )
+    assert result[0]["val_loss"] > 0
