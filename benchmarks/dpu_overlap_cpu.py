@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     res["cpu_step_s"] = res["plain"]["profile_mean_s"]["cpu_step"]
     res["hidden_fraction"] = (res["plain"]["step_s"] - res["delayed"]["step_s"]) / res["cpu_step_s"]
     res["speedup"] = res["plain"]["step_s"] / res["delayed"]["step_s"]
+    # The profile's view, free of fwd/bwd noise: the part of the CPU step the main thread waited for
+    res["hidden_fraction_profile"] = 1.0 - (res["delayed"]["profile_mean_s"]["stall"]
+                                            / res["delayed"]["profile_mean_s"]["cpu_step"])
     (out / "dpu_overlap_cpu.json").write_text(json.dumps(res, indent=1))
     timeline.draw([(f"{m} (median step {res[m]['step_s'] * 1e3:.1f} ms)",
                     timeline.load(out / f"dpu_{m}_profile.json", 4)) for m in engines],
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
           f"delayed {fb['delayed']:.1f} ms")
     print(f"plain step {res['plain']['step_s'] * 1e3:.1f} ms  delayed step "
           f"{res['delayed']['step_s'] * 1e3:.1f} ms  speedup {res['speedup']:.2f}x  "
-          f"hidden {res['hidden_fraction']:.0%} of the CPU step (target >= 80%)")
+          f"hidden {res['hidden_fraction']:.0%} of the CPU step (target >= 80%; by the "
+          f"profile's stall: {res['hidden_fraction_profile']:.0%})")
     print(f"wrote {out / 'dpu_overlap_cpu.json'} and {out / 'dpu_timeline.png'}")
     return 0
 

@@ -166,21 +166,34 @@ def test_flag_on_from_env(monkeypatch):
     assert len(plugin.engine.layout.buckets) > 1
 
 
-def test_save_load_state_resumes_exactly(tmp_path):
+def _resume(rank: int, world: int, path: str) -> float:
+    __import__("os").environ["ACCELERATE_USE_CPU"] = "true"
     half = STEPS * ACCUM // 2
-    acc, _, model, opt, loader, sched = _setup(True)
+    acc, _, model, opt, loader, sched = _setup(True, world)
     _run(acc, model, opt, loader, sched, stop=half)
-    acc.save_state(str(tmp_path / "ckpt"))
-    assert (tmp_path / "ckpt" / "zero_offload").is_dir()
+    acc.save_state(path)
     _run(acc, model, opt, loader, sched, skip=half)
     straight = _weights(acc, model)
 
     _reset_accelerate()
-    acc, _, model, opt, loader, sched = _setup(True)
-    acc.load_state(str(tmp_path / "ckpt"))
+    acc, _, model, opt, loader, sched = _setup(True, world)
+    acc.load_state(path)
     _run(acc, model, opt, loader, sched, skip=half)
-    resumed = _weights(acc, model)
-    assert _rel_err(resumed, straight) == 0.0
+    return _rel_err(_weights(acc, model), straight)
+
+
+def test_save_load_state_resumes_exactly(tmp_path):
+    assert _resume(0, 1, str(tmp_path / "ckpt")) == 0.0
+    assert (tmp_path / "ckpt" / "zero_offload").is_dir()
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()  # the shards hold the model
+
+
+@pytest.mark.slow
+def test_save_load_state_resumes_exactly_two_processes(tmp_path):
+    from _dist import run_ranks
+
+    assert run_ranks(_resume, 2, str(tmp_path / "ckpt")) == [0.0, 0.0]
+    assert len(list((tmp_path / "ckpt" / "zero_offload").iterdir())) == 2  # one shard per rank
 
 
 def test_load_state_needs_engine_shards(tmp_path):

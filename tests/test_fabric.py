@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lightning.fabric import Fabric, seed_everything
@@ -11,6 +13,18 @@ import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy
 
 ACCUMULATE = 2
+
+
+@pytest.fixture(autouse=True)
+def _isolated_process_group():
+    """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
+    (by design, so fit can run again); later multi-process tests need neither."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def batches(n: int = 16):
@@ -142,3 +156,26 @@ def test_two_processes_match_ddp():
     ref, off = ({k: torch.from_numpy(v) for k, v in r.items()} for r in results)
     for k, v in off.items():
         assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
+
+
+def test_scheduler_passed_to_setup_drives_the_engine():
+    results = []
+    for strategy in ("auto", "zero_offload"):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        fabric.launch()
+        seed_everything(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        model, optimizer, scheduler = fabric.setup(model, optimizer, scheduler=scheduler)
+        for x, y in batches(3):
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == 5e-2 / 8
+        if strategy == "zero_offload":
+            fabric.strategy.teardown()
+        results.append(weights(model))
+    for k, v in results[1].items():
+        assert (v - results[0][k]).norm() / results[0][k].norm() < 1e-5, k

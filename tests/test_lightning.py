@@ -24,6 +24,18 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*The number of training batches.*")
 
 
+@pytest.fixture(autouse=True)
+def _isolated_process_group():
+    """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
+    (by design, so fit can run again); later multi-process tests need neither."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def data(n: int = 32, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)
@@ -159,6 +171,7 @@ def test_matches_default_strategy_fp32(tmp_path):
     # the pre-clip global norm the strategy reports is torch's
     torch.testing.assert_close(torch.tensor(off.norms), torch.tensor(ref.norms), rtol=1e-5, atol=0)
     assert off_trainer.strategy.engine is None  # teardown released the engine
+    assert off_trainer.strategy.precision_plugin.engine is None
 
 
 def test_lr_monitor_and_scheduler_see_live_groups(tmp_path):
@@ -416,15 +429,30 @@ def test_lightning_cli_class_path(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_two_processes_match_ddp(tmp_path):
-    """2 CPU ranks (gloo): zero_offload (partitioned) ends where DDP does."""
+    """2 CPU ranks (gloo), accumulation and clipping: zero_offload (partitioned) ends where DDP
+    does, and its sharded checkpoint (one file per rank) consolidates to those weights."""
     results = {}
     for name, strategy in (
         ("ddp", "ddp_spawn"),
-        ("off", ZeroOffloadStrategy(start_method="spawn")),
+        ("off", ZeroOffloadStrategy(start_method="spawn", sharded_checkpoint=True)),
     ):
-        model, _ = fit(Net, strategy, tmp_path / name, devices=2, use_distributed_sampler=True)
+        ckpt_cb = ModelCheckpoint(dirpath=tmp_path / name, save_top_k=-1, every_n_train_steps=6)
+        model, _ = fit(
+            Net,
+            strategy,
+            tmp_path / name,
+            devices=2,
+            use_distributed_sampler=True,
+            enable_checkpointing=True,
+            callbacks=[ckpt_cb],
+        )
         results[name] = weights(model)  # the spawn launcher copies rank 0's weights back
     assert_close(results["off"], results["ddp"])
+    sharded = next((tmp_path / "off").glob("*step=6.ckpt"))
+    assert len(list(sharded.glob("shard-*"))) == 2
+    consolidate_checkpoint(sharded, tmp_path / "one.ckpt")
+    state = torch.load(tmp_path / "one.ckpt", weights_only=False)["state_dict"]
+    assert_close(state, results["off"], rel=0)
 
 
 def test_fp16_loss_scaler_is_checkpointed_and_resumes(tmp_path):

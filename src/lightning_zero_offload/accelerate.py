@@ -415,7 +415,7 @@ def _route_accelerator(
         # parameters), so Accelerate does not write it again: its parameters are views of one
         # flat buffer, which safetensors refuses to save or load into.
         engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), sharded=True)
-        weights[:] = [w for m, w in zip(models, weights) if m is not engine.module]
+        weights[:] = [w for m, w in zip(models, weights, strict=True) if m is not engine.module]
         wrapped._saving = True
 
     def load_hook(models: list, input_dir: str) -> None:

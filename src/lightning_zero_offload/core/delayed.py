@@ -16,18 +16,24 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 
-def _bind(cores: Sequence[int] | None) -> None:
+
+def _init_thread(cores: Sequence[int] | None, device: torch.device | None) -> None:
     if cores:  # Linux: pid 0 is the calling thread; threads it starts (the kernel's) inherit it
         os.sched_setaffinity(0, cores)
+    if device is not None and device.type == "cuda":  # a new thread starts on device 0
+        torch.cuda.set_device(device)
 
 
 class CpuStepWorker:
     """One background thread running one CPU step at a time; its errors re-raise in ``wait``."""
 
-    def __init__(self, cores: Sequence[int] | None = None) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lzo-cpu-step", initializer=_bind,
-                                        initargs=(tuple(cores) if cores else None,))
+    def __init__(self, cores: Sequence[int] | None = None,
+                 device: torch.device | None = None) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lzo-cpu-step",
+                                        initializer=_init_thread,
+                                        initargs=(tuple(cores) if cores else None, device))
         self._future: Future | None = None
 
     @property
@@ -74,7 +80,19 @@ def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:
     return cores
 
 
-def default_threads(cores_for_rank: int, delayed: bool) -> int:
-    """With delayed update one core stays free for the thread that drives the device (it
-    launches kernels and drains gradient transfers while the CPU step runs)."""
-    return max(1, cores_for_rank - 1) if delayed else cores_for_rank
+def default_threads(world_size: int, device: torch.device, delayed: bool) -> int:
+    """The cores this process may use (``os.sched_getaffinity``, not ``torch.get_num_threads()``,
+    which torchrun's OMP_NUM_THREADS=1 makes 1) shared among the ranks on this node
+    (``LOCAL_WORLD_SIZE``, else one rank per visible GPU, else every rank here). With delayed
+    update one core stays free for the thread that drives the device (it launches kernels and
+    drains gradient transfers while the CPU step runs)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        ranks = int(local)
+    elif device.type == "cuda":
+        ranks = min(world_size, max(1, torch.cuda.device_count()))
+    else:
+        ranks = world_size
+    share = max(1, (cores or 1) // max(1, ranks))
+    return max(1, share - 1) if delayed else share

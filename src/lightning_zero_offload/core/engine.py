@@ -150,7 +150,7 @@ class ZeroOffload:
         synchronizing backward (as DDP's ``no_sync``)."""
         self._check_open()
         if self._scaler is not None:
-            loss = loss * self._scaler.scale
+            loss = loss.float() * self._scaler.scale  # an fp16 loss times 2**16 could overflow
         self._streamer.sync = sync_gradients and not self._no_sync
         try:
             loss.backward()

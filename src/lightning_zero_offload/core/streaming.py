@@ -23,6 +23,11 @@ from lightning_zero_offload.core.layout import Layout
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _sq_sum(shard: Tensor) -> Tensor:
+    """fp32 sum of squares without a temporary of the shard's size (inf/NaN propagate)."""
+    return torch.linalg.vector_norm(shard, dtype=torch.float32).square()
+
+
 class GradStreamer:
     def __init__(self, layout: Layout, host_grads: list[Tensor], dtype: torch.dtype,
                  device: torch.device, rank: int, process_group: object | None,
@@ -43,6 +48,8 @@ class GradStreamer:
         self._next = 0
         self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
+        self._pool: list[Tensor] = []  # CPU only: released bucket buffers
+        self._direct = not self.cuda and self.world_size == 1
         self.stats: list[Tensor] = []  # device sum of squares of every flushed shard
         self._handles = [
             s.param.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -93,10 +100,26 @@ class GradStreamer:
         bucket = self.layout.buckets[slot.bucket]
         buf = self._bufs[slot.bucket]
         if buf is None:
-            buf = self._bufs[slot.bucket] = torch.zeros(bucket.numel, dtype=self.dtype,
-                                                        device=self.device)
+            buf = self._bufs[slot.bucket] = self._new_buffer(slot.bucket)
         lo = slot.offset - bucket.start
         buf[lo : lo + slot.numel].add_(grad.reshape(-1))
+
+    def _new_buffer(self, b: int) -> Tensor:
+        """A zeroed bucket buffer. On the CPU with one rank the first micro-batch accumulates
+        straight into the fp32 host gradient (saving a copy). On CUDA the caching allocator
+        recycles freed buckets; on the CPU a small pool does, so large buffers are not
+        page-faulted in again every backward."""
+        bucket = self.layout.buckets[b]
+        numel = bucket.numel
+        if self._direct and self.flushes[b] == 0:
+            g, lo = bucket.group, bucket.host_offset
+            return self.host_grads[g][lo : lo + numel].zero_()
+        for i, t in enumerate(self._pool):
+            if t.numel() >= numel:
+                return self._pool.pop(i)[:numel].zero_()
+        if self._pool:  # none fits: drop the smallest so the pool does not grow
+            self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
+        return torch.zeros(numel, dtype=self.dtype, device=self.device)
 
     def end_backward(self) -> None:
         """Flush every bucket not flushed yet, in order, with the gradients that did arrive
@@ -131,21 +154,23 @@ class GradStreamer:
         buf = self._bufs[b]
         self._bufs[b] = None
         if buf is None:
-            buf = torch.zeros(bucket.numel, dtype=self.dtype, device=self.device)
+            buf = self._new_buffer(b)
         host = self.host_grads[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
         first = self.flushes[b] == 0
         self.flushes[b] += 1
         if not self.cuda:
             shard = self._reduce(buf, bucket.shard)
-            self.stats.append(shard.float().square().sum())
-            host.copy_(shard) if first else host.add_(shard)
+            self.stats.append(_sq_sum(shard))
+            if shard.data_ptr() != host.data_ptr():
+                host.copy_(shard) if first else host.add_(shard)
+                self._pool.append(buf if buf._base is None else buf._base)
             return
         self._finish_pending(b)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             shard = self._reduce(buf, bucket.shard)
-            self.stats.append(shard.float().square().sum())
+            self.stats.append(_sq_sum(shard))
             staging = self._staging[bucket.group][
                 bucket.host_offset : bucket.host_offset + bucket.shard
             ]

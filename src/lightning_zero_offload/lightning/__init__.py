@@ -1,5 +1,6 @@
 """Lightning adapters: the Trainer strategy, the Fabric strategy and their precision plugins."""
 
+from lightning_zero_offload.lightning.checkpoint import consolidate_checkpoint
 from lightning_zero_offload.lightning.fabric import ZeroOffloadFabricStrategy
 from lightning_zero_offload.lightning.precision import (
     ZeroOffloadFabricPrecision,
@@ -13,5 +14,6 @@ __all__ = [
     "ZeroOffloadFabricStrategy",
     "ZeroOffloadPrecision",
     "ZeroOffloadStrategy",
+    "consolidate_checkpoint",
     "register",
 ]

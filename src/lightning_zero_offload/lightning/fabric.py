@@ -20,6 +20,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
@@ -41,7 +42,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     """ZeRO-Offload for Fabric; same options as :class:`ZeroOffloadStrategy`.
 
     Set up the model and its one AdamW/Adam optimizer together: ``fabric.setup(model, opt)``.
-    ``fabric.setup(model)`` alone (evaluation) just moves the module to the device.
+    ``fabric.setup(model)`` alone (evaluation) just moves the module to the device. The module
+    holds the device weights while training; ``fabric.save`` writes the fp32 master weights, and
+    ``fabric.strategy.teardown()`` (collective) puts them back into the module at the end.
     """
 
     strategy_name = "zero_offload"
@@ -128,6 +131,15 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     @override
     def module_to_device(self, module: Module) -> None:
         """A no-op: the engine places the module itself, in the compute dtype (see setup)."""
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.ExitStack:
+        """``fabric.init_module()`` builds the model on the host: the engine moves it to the
+        device in the compute dtype (a fp32 model on the device would defeat the offload)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
+        stack.enter_context(torch.device("cpu"))
+        return stack
 
     @override
     def teardown(self) -> None:

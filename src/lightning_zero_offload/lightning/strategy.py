@@ -20,6 +20,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -95,6 +96,8 @@ class ZeroOffloadStrategy(DDPStrategy):
     Remaining arguments are ``DDPStrategy``'s (launcher, cluster environment, process group).
     The last pre-clip global gradient norm is ``strategy.grad_norm``; log it from a hook, e.g.
     ``self.log("grad_norm", self.trainer.strategy.grad_norm)`` in ``on_train_batch_end``.
+    Gradients never stay on the device, so ``param.grad`` is ``None`` in hooks such as
+    ``on_before_optimizer_step``.
     """
 
     strategy_name = "zero_offload"
@@ -220,6 +223,19 @@ class ZeroOffloadStrategy(DDPStrategy):
         self._pending_optimizer_state = None
         super().teardown()
 
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``Trainer.init_module()`` builds the model on the host: the engine moves it to the
+        device in the compute dtype (a fp32 model on the device would defeat the offload)."""
+        with _EmptyInit(enabled=bool(empty_init)), torch.device("cpu"):
+            yield
+
+    @override
+    def on_validation_start(self) -> None:
+        if self.engine is not None:  # validate on up-to-date device weights
+            self.engine.synchronize()
+
     # -- backward sync for accumulation --------------------------------------------------------
 
     @override
@@ -276,7 +292,7 @@ class ZeroOffloadStrategy(DDPStrategy):
             if ckpt.SHARDED_KEY in checkpoint:
                 raise RuntimeError(
                     "A sharded zero_offload checkpoint loads when resuming fit; for evaluation, "
-                    "consolidate it first: lightning_zero_offload.lightning.checkpoint."
+                    "consolidate it first: lightning_zero_offload.lightning."
                     "consolidate_checkpoint(directory, 'model.ckpt')"
                 )
             super().load_model_state_dict(checkpoint, strict=strict)

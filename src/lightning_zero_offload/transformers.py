@@ -1,0 +1,167 @@
+"""transformers ``Trainer`` integration: ``ZeroOffloadTrainer`` and ``ZeroOffloadMixin``.
+
+``ZeroOffloadTrainer(model=..., args=ZeroOffloadTrainingArguments(..., zero_offload=True))``
+trains with the engine; so does any ``Trainer`` built with ``ZERO_OFFLOAD=1`` in the environment.
+The mixin composes with other trainers: ``class OffloadSFTTrainer(ZeroOffloadMixin, SFTTrainer)``.
+
+The Trainer's own loop stays: the optimizer it creates (``torch.optim.AdamW``/``Adam``: the
+``adamw_torch*`` optims) is handed to the engine right after ``create_optimizer``, together with
+the model, through :class:`~lightning_zero_offload.accelerate.ZeroOffloadPlugin` on the Trainer's
+accelerator, so backward, ``max_grad_norm`` clipping and the logged ``grad_norm`` go through the
+engine. Precision follows ``bf16``/``fp16`` (neither: fp32). Checkpoints keep the Trainer's layout
+plus a ``zero_offload/`` folder with one optimizer shard per rank; ``save_model`` writes the fp32
+master weights. Not supported (each raises): DeepSpeed, FSDP, several GPUs in one process
+(``DataParallel``), optimizers other than AdamW/Adam, ``max_grad_norm`` inside the ZeRO-Offload
+options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved without ZeRO-Offload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
+
+from lightning_zero_offload.accelerate import (
+    CHECKPOINT_SUBDIR,
+    ZeroOffloadAcceleratedOptimizer,
+    ZeroOffloadPlugin,
+    load_config_file,
+    zero_offload_enabled,
+)
+
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer"]
+
+
+@dataclass
+class ZeroOffloadTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with ZeRO-Offload options (also as ``--zero_offload`` flags)."""
+
+    zero_offload: bool | None = field(
+        default=None,
+        metadata={"help": "Train with ZeRO-Offload. Default: the ZERO_OFFLOAD environment flag."},
+    )
+    zero_offload_config: dict | str | None = field(
+        default=None,
+        metadata={"help": "ZeroOffloadConfig fields: a dict, a JSON string or a .json/.yaml file. "
+                          "Precision follows bf16/fp16 and clipping follows max_grad_norm."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        cfg = self.zero_offload_config
+        if isinstance(cfg, str) and cfg.strip().startswith("{"):
+            try:
+                self.zero_offload_config = json.loads(cfg)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"zero_offload_config is not valid JSON: {e}") from None
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        # The engine moves the model itself, in the compute dtype: never a full fp32 copy.
+        return False if _enabled(self) else super().place_model_on_device
+
+
+def _enabled(args: Any) -> bool:
+    flag = getattr(args, "zero_offload", None)
+    return zero_offload_enabled() if flag is None else bool(flag)
+
+
+def _options(args: Any) -> dict[str, Any]:
+    cfg = getattr(args, "zero_offload_config", None)
+    if cfg is None:
+        return {}
+    if isinstance(cfg, (str, os.PathLike)):
+        return load_config_file(cfg, source="zero_offload_config")
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    raise TypeError(f"zero_offload_config must be a dict, JSON string or file path, got "
+                    f"{type(cfg).__name__}")
+
+
+class ZeroOffloadMixin:
+    """Puts a Trainer's model and optimizer on the engine; put it first in the bases."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._zero_offload_plugin()  # bad options raise here, not at the first step
+
+    def _zero_offload_plugin(self) -> ZeroOffloadPlugin | None:
+        """The plugin when ZeRO-Offload is on for this Trainer's args, else None."""
+        plugin = self.__dict__.get("_zo_plugin")
+        if plugin is None:
+            plugin = ZeroOffloadPlugin(enabled=True, **_options(self.args)) if _enabled(
+                self.args) else False
+            self._zo_plugin = plugin
+        return plugin or None
+
+    def _zero_offload_engine(self) -> Any:
+        plugin = self._zero_offload_plugin()
+        return plugin.engine if plugin is not None else None
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        if self._zero_offload_plugin() is None:
+            super()._move_model_to_device(model, device)
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model)
+        plugin = self._zero_offload_plugin()
+        if plugin is None or isinstance(optimizer, ZeroOffloadAcceleratedOptimizer):
+            return optimizer
+        if plugin.engine is not None:
+            raise RuntimeError("ZeroOffloadTrainer: the optimizer was replaced after the engine "
+                               "was built; create one Trainer per model")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("ZeRO-Offload does not combine with DeepSpeed or FSDP; turn one off")
+        if self.args.n_gpu > 1:
+            raise ValueError("ZeRO-Offload needs one process per GPU (torchrun or accelerate "
+                             "launch), not DataParallel over several GPUs in one process")
+        if plugin.resolve_config(self.accelerator.mixed_precision).max_grad_norm is not None:
+            raise ValueError("set gradient clipping with TrainingArguments.max_grad_norm, not in "
+                             "the ZeRO-Offload options (the Trainer clips through the engine)")
+        self.model, self.optimizer = plugin.prepare(self.accelerator, self.model, optimizer)
+        self.model_wrapped = self.model
+        return self.optimizer
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        engine = self._zero_offload_engine()
+        if engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), sharded=True)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        engine = self._zero_offload_engine()
+        if engine is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"{path} does not exist: {checkpoint} was saved without ZeRO-Offload, so it has "
+                "no optimizer shards to resume from; resume it without ZeRO-Offload"
+            )
+        engine.load_checkpoint(path)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The fp32 master weights (collective: call it on every rank, as the Trainer does)."""
+        engine = self._zero_offload_engine()
+        if engine is None:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = engine.full_state_dict()["model"]
+        self._save(output_dir if output_dir is not None else self.args.output_dir,
+                   state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
+    """``transformers.Trainer`` trained by the ZeRO-Offload engine when it is enabled."""

@@ -1,0 +1,164 @@
+"""ZeroOffloadTrainer against the plain transformers Trainer (fp32, CPU, tiny Llama)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from lightning_zero_offload.transformers import (  # noqa: E402
+    ZeroOffloadTrainer,
+    ZeroOffloadTrainingArguments,
+)
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(monkeypatch):
+    for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
+        monkeypatch.delenv(var)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(cfg)
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self, n: int = 48, seq: int = 16) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, 64, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _args(out, cls=TrainingArguments, **kw):
+    base = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4,
+                gradient_accumulation_steps=2, learning_rate=2e-2, weight_decay=0.1,
+                max_grad_norm=0.5, warmup_steps=1, lr_scheduler_type="linear", logging_steps=1,
+                optim="adamw_torch", save_strategy="no", report_to=[], use_cpu=True, seed=3,
+                disable_tqdm=True)
+    base.update(kw)
+    return cls(**base)
+
+
+def _history(trainer) -> tuple[list, list]:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+def _master(trainer) -> dict:
+    engine = getattr(trainer, "_zero_offload_engine", lambda: None)()
+    if engine is None:
+        return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return engine.full_state_dict()["model"]
+
+
+def _rel_err(a: dict, b: dict) -> float:
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b)
+    den = sum(float(b[k].double().norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
+def test_trainer_matches_plain_trainer(tmp_path):
+    plain = Trainer(model=_model(), args=_args(tmp_path / "plain"), train_dataset=_Data())
+    plain.train()
+    AcceleratorState._reset_state(True)
+    ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                              args=_args(tmp_path / "zo", ZeroOffloadTrainingArguments,
+                                         zero_offload=True))
+    ours.train()
+    engine = ours._zero_offload_engine()
+    assert engine is not None and engine.compute_dtype == torch.float32
+    assert ours.model is engine.module
+    plain_loss, plain_norm = _history(plain)
+    loss, norm = _history(ours)
+    assert len(loss) == STEPS
+    assert loss == pytest.approx(plain_loss, rel=1e-5)
+    assert norm == pytest.approx(plain_norm, rel=1e-5)
+    assert max(norm) > 0.5  # clipping was active
+    assert _rel_err(_master(ours), _master(plain)) < 1e-5
+
+
+def test_flag_from_environment_and_fp32_save_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD", "1")
+    trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                                 args=_args(tmp_path / "run", bf16=True, max_steps=2))
+    trainer.train()
+    engine = trainer._zero_offload_engine()
+    assert engine is not None and engine.compute_dtype == torch.bfloat16
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
+    master = engine.full_state_dict()["model"]
+    for name, p in saved.state_dict().items():
+        assert torch.equal(p, master[name]), name
+    assert any(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+
+
+def test_flag_off_is_plain_trainer(tmp_path):
+    trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                                 args=_args(tmp_path / "run", ZeroOffloadTrainingArguments,
+                                            zero_offload=False, max_steps=1))
+    trainer.train()
+    assert trainer._zero_offload_engine() is None
+    assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
+
+
+def test_resume_from_checkpoint_equals_straight_run(tmp_path):
+    def make(out):
+        AcceleratorState._reset_state(True)
+        return ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(out, ZeroOffloadTrainingArguments, zero_offload=True, save_strategy="steps",
+                       save_steps=3),
+        )
+
+    straight = make(tmp_path / "a")
+    straight.train()
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert (ckpt / "zero_offload").is_dir() and (ckpt / "scheduler.pt").is_file()
+    assert not (ckpt / "optimizer.pt").exists()
+    resumed = make(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert _rel_err(_master(resumed), _master(straight)) == 0.0
+    assert _history(resumed)[0] == _history(straight)[0]  # the first 3 come from the checkpoint
+
+
+def test_bad_options_raise(tmp_path):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
+                       zero_offload_config='{"max_grad_norm": 1.0}'),
+        ).train()
+    AcceleratorState._reset_state(True)
+    with pytest.raises(TypeError, match="AdamW"):
+        ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, optim="sgd"),
+        ).train()
+    AcceleratorState._reset_state(True)
+    with pytest.raises(TypeError, match="unknown option"):
+        ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
+                       zero_offload_config={"bucket_mb": 1}),
+        )
