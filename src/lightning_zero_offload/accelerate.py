@@ -303,7 +303,8 @@ class ZeroOffloadPlugin:
         engine = ZeroOffload(model, optimizer, config, device=device)
         module = engine.module
         module._is_accelerate_prepared = True
-        accelerator._models.append(module)
+        # A model prepared for evaluation earlier (Trainer.evaluate before train) is listed once.
+        accelerator._models[:] = [m for m in accelerator._models if m is not module] + [module]
         wrapped = ZeroOffloadAcceleratedOptimizer(engine, optimizer)
         wrapped._is_accelerate_prepared = True
         accelerator._optimizers.append(wrapped)
@@ -331,7 +332,7 @@ def _check_supported(accelerator: Accelerator, model: Any, optimizer: Any) -> No
         raise TypeError("ZeroOffloadPlugin.prepare(accelerator, model, optimizer, *other): pass "
                         f"the model and its optimizer first, got {type(model).__name__} and "
                         f"{type(optimizer).__name__}")
-    if getattr(model, "_is_accelerate_prepared", False) or isinstance(
+    if isinstance(model, nn.parallel.DistributedDataParallel) or isinstance(
         optimizer, AcceleratedOptimizer
     ):
         raise ValueError("pass the raw model and optimizer to ZeroOffloadPlugin.prepare, not ones "

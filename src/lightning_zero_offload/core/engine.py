@@ -51,6 +51,8 @@ class ZeroOffload:
         if not isinstance(config, ZeroOffloadConfig):
             raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
         self.config = config = config.replace(**overrides) if overrides else config
+        if config.delayed_update:  # issue 6 replaces this with the worker-thread step
+            raise NotImplementedError("ZeroOffload: delayed_update=True is not implemented yet")
         self.device = checks.resolve_device(device)
         self.compute_dtype = config.compute_dtype
         if config.pin_memory and self.device.type != "cuda":

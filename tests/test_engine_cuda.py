@@ -1,0 +1,59 @@
+"""The CUDA path of the engine (side stream, pinned staging, device memory released): skipped
+without a GPU; on one, the same training must give what the CPU path gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny_gpt import batches, lm_loss, make, param_groups
+
+from lightning_zero_offload import ZeroOffload
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _engine(device: str, precision: str) -> ZeroOffload:
+    model = make()
+    return ZeroOffload(model, torch.optim.AdamW(param_groups(model), lr=1e-2), device=device,
+                       precision=precision, max_grad_norm=0.5, bucket_size_mb=0.01)
+
+
+def _train(engine: ZeroOffload, steps: int, micro: int) -> None:
+    for x, y in batches(steps):
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            engine.backward(lm_loss(engine.module(xs.to(engine.device)), ys.to(engine.device))
+                            / micro)
+        engine.step()
+        engine.zero_grad()
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_cuda_fp32_equals_cpu_path(micro):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu, gpu = _engine("cpu", "32-true"), _engine("cuda", "32-true")
+    _train(cpu, 6, micro)
+    _train(gpu, 6, micro)
+    gpu.synchronize()
+    for a, b in zip(cpu.module.parameters(), gpu.module.parameters(), strict=True):
+        assert ((a - b.cpu()).norm() / a.norm()).item() < 1e-4
+    assert gpu.last_grad_norm == pytest.approx(cpu.last_grad_norm, rel=1e-4)
+
+
+def test_cuda_bf16_pinned_staging_and_grad_memory_released():
+    engine = _engine("cuda", "bf16-mixed")
+    assert all(t.is_pinned() for t in engine._out) and engine._streamer._staging[0].is_pinned()
+    weights = sum(w.numel() * w.element_size() for w in engine._weights)
+    _train(engine, 3, 1)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine.module(x.cuda()), y.cuda()))
+    engine.synchronize()
+    torch.cuda.synchronize()
+    assert all(p.grad is None for p in engine.module.parameters())
+    assert torch.cuda.memory_allocated() < weights + 2**20  # no gradient buffers left behind
+    engine.step()
+    full = engine.full_state_dict()["model"]
+    for name, p in engine.module.named_parameters():
+        assert torch.equal(p.cpu(), full[name].to(torch.bfloat16))
+    engine.teardown()
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in engine.module.parameters())
