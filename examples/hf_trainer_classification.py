@@ -184,10 +184,10 @@ def model_path() -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="CI size: 480 train / 160 test")
-    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--quick", action="store_true", help="CI size: 480 train / 160 test, 2 epochs")
+    p.add_argument("--epochs", type=float, help="default: 1 (2 with --quick)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-zero-offload", action="store_true")
@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_rows, test_rows = build_dataset(args.seed)
     if args.quick:
         train_rows, test_rows = train_rows[:480], test_rows[:: max(1, len(test_rows) // 160)]
+    epochs = args.epochs or (2.0 if args.quick else 1.0)
     counts = Counter(y for _, y in test_rows)
     chance = max(counts.values()) / len(test_rows)
     print(f"{len(train_rows)} train / {len(test_rows)} held-out docstrings, {len(LABELS)} areas; "
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = MeanPoolClassifier(encoder, head)
     targs = ZeroOffloadTrainingArguments(
         output_dir=args.output_dir, zero_offload=not args.no_zero_offload, bf16=args.bf16,
-        num_train_epochs=args.epochs, per_device_train_batch_size=args.batch_size,
+        num_train_epochs=epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=128, learning_rate=args.lr, weight_decay=0.01,
         warmup_steps=0.1, lr_scheduler_type="linear", max_grad_norm=1.0, optim="adamw_torch",
         train_sampling_strategy="group_by_length", logging_steps=1 if args.quick else 10,

@@ -30,6 +30,7 @@ def text_file(tmp_path) -> Path:
 def _load_recipe():
     spec = importlib.util.spec_from_file_location("accelerate_finetune", RECIPE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up
     spec.loader.exec_module(module)
     return module
 

@@ -16,9 +16,6 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload
 
-if not hasattr(ZeroOffload, "profile"):  # TEMPORARY until the engine's issue-6 work lands
-    pytest.skip("the engine has no delayed update yet (issue 6)", allow_module_level=True)
-
 CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])
 W = 3

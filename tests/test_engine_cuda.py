@@ -57,3 +57,24 @@ def test_cuda_bf16_pinned_staging_and_grad_memory_released():
         assert torch.equal(p.cpu(), full[name].to(torch.bfloat16))
     engine.teardown()
     assert all(p.dtype == torch.float32 and p.is_cuda for p in engine.module.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_cuda_half_precision_follows_the_cpu_path(precision, delayed):
+    """The step reads half-precision gradients straight from pinned staging (one micro-batch)
+    and, with delayed update, writes the spare device weights from the worker thread."""
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = make()
+        engine = ZeroOffload(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
+                             device=device, precision=precision, bucket_size_mb=0.01,
+                             delayed_update=delayed, delayed_update_warmup=2)
+        _train(engine, 6, 1)
+        runs.append(engine.full_state_dict()["model"])
+        if delayed:
+            assert [r.step for r in engine.profile] == list(range(1, 7))
+            assert engine.profile[-1].weight_copy > 0 or device == "cpu"
+        engine.teardown()
+    for name, t in runs[0].items():
+        assert ((t - runs[1][name]).norm() / t.norm()).item() < 2e-2, name

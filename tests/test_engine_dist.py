@@ -149,3 +149,20 @@ def test_unused_parameters_differ_across_ranks():
         opt.zero_grad()
     _close([p.detach() for p in ref.parameters()], got[0])
     _close(got[0], got[1], tol=0)
+
+
+def _ranks_delayed(rank: int, world: int) -> list:
+    engine = _engine(delayed_update=True, delayed_update_warmup=2)
+    _train(engine, _split(batches(6), rank, world))
+    engine.synchronize()  # the last step's update, gathered from both ranks
+    return _params(engine)
+
+
+def test_two_ranks_delayed_update_equal_one_rank():
+    """The worker writes this rank's shard of the spare weights; the gather runs at the swap."""
+    two = run_ranks(_ranks_delayed, 2)
+    one = _engine(delayed_update=True, delayed_update_warmup=2)
+    _train(one, batches(6))
+    one.synchronize()
+    for r in range(2):
+        _close(_params(one), two[r])

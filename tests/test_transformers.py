@@ -162,3 +162,28 @@ def test_bad_options_raise(tmp_path):
             args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
                        zero_offload_config={"bucket_mb": 1}),
         )
+
+
+def _compare_trainers(rank: int, world: int, out: str) -> tuple:
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    plain = Trainer(model=_model(), args=_args(f"{out}/plain"), train_dataset=_Data())
+    plain.train()
+    assert plain.accelerator.num_processes == world and plain.args.world_size == world
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                              args=_args(f"{out}/zo", ZeroOffloadTrainingArguments,
+                                         zero_offload=True))
+    ours.train()
+    assert ours._zero_offload_engine().world_size == world
+    return _history(plain), _history(ours), _rel_err(_master(ours), _master(plain))
+
+
+@pytest.mark.slow
+def test_trainer_matches_plain_trainer_two_processes(tmp_path):
+    from _dist import run_ranks
+
+    for plain, ours, err in run_ranks(_compare_trainers, 2, str(tmp_path)):
+        assert ours[0] == pytest.approx(plain[0], rel=1e-5)
+        assert ours[1] == pytest.approx(plain[1], rel=1e-5)
+        assert err < 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ def test_classification_recipe_quick(tmp_path, monkeypatch):
     GradientState._reset_state()
     spec = importlib.util.spec_from_file_location("hf_trainer_classification", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # dataclasses look the module up
     spec.loader.exec_module(recipe)
     result = recipe.main(["--quick", "--output-dir", str(tmp_path)])
     assert result["eval_loss_after"] < result["eval_loss_before"]

@@ -16,6 +16,13 @@ and reduces the gradients) and makes this accelerator's ``backward``, ``clip_gra
 ``Accelerator(mixed_precision=...)``: ``"no"`` -> ``"32-true"``, ``"bf16"`` -> ``"bf16-mixed"``,
 ``"fp16"`` -> ``"16-mixed"`` (the engine's own dynamic loss scaler).
 
+Checkpoints: ``save_state`` writes each rank's optimizer shard (with the fp32 master weights and
+the module's buffers) under ``zero_offload/`` and no ``model.safetensors``; ``load_state`` reads
+them back at the same or another world size. ``accelerator.get_state_dict(model)`` gathers the
+fp32 master weights (call it on every process) for ``save_pretrained(..., state_dict=...)``.
+With ``delayed_update`` the weights the loop sees are one step stale until
+``plugin.engine.synchronize()``; checkpoints and ``get_state_dict`` include the pending update.
+
 Not supported with the flag on (each raises): DeepSpeed, FSDP, Megatron-LM, XLA, tensor/context
 parallelism, ``torch.compile`` through Accelerate, fp8, more than one engine model per plugin,
 ``accelerator.clip_grad_value_`` on the engine's parameters, ``accelerator.backward`` with
@@ -89,7 +96,14 @@ def _coerce(source: str, value: Any, hint: Any) -> Any:
     args = typing.get_args(hint)
     optional = type(None) in args
     base = next(a for a in args if a is not type(None)) if args else hint
-    expected = base.__name__ + (" or none" if optional else "")
+    expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
+    if base not in (bool, int, float, str):  # e.g. a list: JSON text from a variable
+        if not isinstance(value, str):
+            return value  # ZeroOffloadConfig checks it
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError(f"{source}={value!r}: expected {expected} as JSON") from None
     if isinstance(value, str) and base is not str:
         text = value.strip()
         if optional and text.lower() in ("none", "null"):

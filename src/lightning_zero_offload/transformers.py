@@ -128,6 +128,19 @@ class ZeroOffloadMixin:
         self.model_wrapped = self.model
         return self.optimizer
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().train(*args, **kwargs)
+        engine = self._zero_offload_engine()
+        if engine is not None:
+            engine.synchronize()  # a delayed update still in flight lands in self.model
+        return output
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self._zero_offload_engine()
+        if engine is not None:
+            engine.synchronize()  # evaluate the latest weights, not one step stale
+        return super().evaluation_loop(*args, **kwargs)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         engine = self._zero_offload_engine()
         if engine is None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -116,14 +115,6 @@ def clip_coef(max_norm: float, norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_``'s coefficient (NaN stays NaN, as there)."""
     coef = max_norm / (norm + 1e-6)
     return 1.0 if coef >= 1.0 else coef
-
-
-def default_cpu_threads() -> int:
-    """Cores available to this process shared among the ranks of this node (torchrun sets
-    OMP_NUM_THREADS=1, which would leave the CPU step on one core)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    return max(1, (cores or 1) // max(1, local))
 
 
 def collective_device(group: Any, device: torch.device) -> torch.device:

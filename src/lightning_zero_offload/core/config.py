@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_zero_offload.core.delayed import check_cores
+
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
@@ -19,15 +21,27 @@ class ZeroOffloadConfig:
     gradients on the host are always fp32). ``bucket_size_mb`` bounds the device bytes of one
     gradient bucket (in the compute dtype): smaller buckets start transfers earlier, larger ones
     make fewer collective calls. ``cpu_threads=None`` uses the cores available to this process
-    divided by the ranks on this node (not ``torch.get_num_threads()``, which torchrun sets to 1).
-    ``delayed_update_warmup`` defaults to 10 steps because the first steps move the weights the
-    most (Adam's bias correction makes them large), so a stale update hurts most there.
+    divided by the ranks on this node (not ``torch.get_num_threads()``, which torchrun sets to 1),
+    less one with ``delayed_update`` (the core that keeps the device fed). ``cpu_affinity`` binds
+    the CPU step (a worker thread and the kernel threads it starts) to these core ids, e.g.
+    this rank's share of its NUMA node; its length is then the default thread count.
+    ``delayed_update``: from step ``delayed_update_warmup + 1`` on, the CPU step of step i runs on
+    a worker thread while step i+1's forward and backward run on the weights through step i-1
+    (exactly one step stale; ``synchronize()``, checkpoints and teardown apply the pending step).
+    It costs a second copy of the device weights, and of the host gradient and staging buffers.
+    The module's parameters then alternate between two device buffers (swapped at each step),
+    so nothing may capture their addresses (CUDA graphs). ``delayed_update_warmup`` defaults to
+    10 steps because the first steps move the weights the most (Adam's first updates are about
+    ``lr`` in every coordinate, whatever the gradient's size, and the gradients change fastest
+    while the loss falls steeply), so a stale update hurts most there; the paper likewise turns
+    it on only after a warm-up.
     """
 
     precision: str = "bf16-mixed"
     max_grad_norm: float | None = None
     bucket_size_mb: float = 25.0
     cpu_threads: int | None = None
+    cpu_affinity: tuple[int, ...] | None = None
     pin_memory: bool | None = None
     delayed_update: bool = False
     delayed_update_warmup: int = 10
@@ -61,6 +75,7 @@ class ZeroOffloadConfig:
                 f"ZeroOffloadConfig: cpu_threads must be an int >= 1 or None, got "
                 f"{self.cpu_threads!r}"
             )
+        self.cpu_affinity = check_cores(self.cpu_affinity)
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError(
                 "ZeroOffloadConfig: pin_memory=True needs a CUDA device (pinned memory only "

@@ -1,10 +1,11 @@
 """``ZeroOffload``: the engine a plain PyTorch loop (or an adapter) drives.
 
-The step is split in two so it can later run asynchronously (delayed parameter update):
-``_decide`` runs on the caller's thread and settles everything that needs all ranks or the user's
-live state (wait for gradients, global norm, overflow, loss scale, clip coefficient, the step's
-hyperparameters); ``_apply`` only runs the kernel over this rank's shard, copies the new weights
-to the device and all-gathers them.
+The step is split in two: ``_decide`` runs on the caller's thread and settles everything that
+needs all ranks or the user's live state (wait for gradients, global norm, overflow, loss scale,
+clip coefficient, the step's hyperparameters); ``_run_kernel`` only runs the kernel over this
+rank's shard, chunk by chunk, each finished chunk's weights copied to the device while the next
+computes. With delayed update (``core.delayed``) ``_run_kernel`` runs on a worker thread into a
+spare weight buffer, which becomes the live one at the next step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +25,11 @@ from torch import Tensor, nn
 from lightning_zero_offload.core import checks
 from lightning_zero_offload.core import state as ckpt
 from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.delayed import CpuStepWorker, default_threads
 from lightning_zero_offload.core.layout import build_layout, shard_pieces
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
 from lightning_zero_offload.core.preflight import check_host_memory, host_bytes_needed
+from lightning_zero_offload.core.profile import ProfileRecorder, StepProfile
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.ops import fused_adamw_
@@ -51,8 +55,6 @@ class ZeroOffload:
         if not isinstance(config, ZeroOffloadConfig):
             raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
         self.config = config = config.replace(**overrides) if overrides else config
-        if config.delayed_update:  # issue 6 replaces this with the worker-thread step
-            raise NotImplementedError("ZeroOffload: delayed_update=True is not implemented yet")
         self.device = checks.resolve_device(device)
         self.compute_dtype = config.compute_dtype
         if config.pin_memory and self.device.type != "cuda":
@@ -78,11 +80,15 @@ class ZeroOffload:
         half = self.compute_dtype != torch.float32
         shard = layout.shard_numel
         cpu_device = self.device.type == "cpu"
+        delayed = config.delayed_update
         out_direct = cpu_device and self.world_size == 1  # kernel writes the device buffer itself
         staging = shard * (int(half and not out_direct) + int(not cpu_device))
         self.host_bytes = host_bytes_needed(
             shard, staging, elem, sum(layout.group_numel) if cpu_device else 0, elem
         )
+        if delayed:  # second gradient buffers (fp32 and staging), on the CPU the spare weights
+            self.host_bytes += (4 + (0 if cpu_device else elem)) * shard + (
+                sum(layout.group_numel) * elem if cpu_device else 0)
         if config.check_host_memory:
             check_host_memory(self.host_bytes, self.rank)
 
@@ -92,6 +98,9 @@ class ZeroOffload:
         self._exp_avg = [torch.zeros(k) for k in n]
         self._exp_avg_sq = [torch.zeros(k) for k in n]
         self._grads = [torch.zeros(k) for k in n]
+        self._grads_spare = [torch.zeros(k) for k in n] if delayed else None
+        self._staging_spare = ([torch.empty(k, dtype=self.compute_dtype, pin_memory=pin) for k in n]
+                               if delayed and not cpu_device else None)
         with torch.no_grad():
             for slot, lo, hi, host in shard_pieces(layout, self.rank):
                 self._master[slot.group][host : host + hi - lo].copy_(
@@ -110,8 +119,11 @@ class ZeroOffload:
                 slot.param.data = view.view(slot.shape)
             module.to(device=self.device, dtype=self.compute_dtype)
         self._view_ptrs = [s.param.data_ptr() for s in layout.slots]
+        # Delayed update: the worker writes step i's weights into a spare buffer while step i+1
+        # runs on the live one; they swap when step i lands (twice the device weight memory).
+        self._weights_spare = [w.clone() for w in self._weights] if delayed else None
         if out_direct and half:
-            self._out: list[Tensor | None] = list(self._weights)
+            self._out: list[Tensor | None] = [None] * len(n)
         elif half:
             self._out = [torch.empty(k, dtype=self.compute_dtype, pin_memory=pin) for k in n]
         else:
@@ -125,7 +137,17 @@ class ZeroOffload:
                                           config.loss_scale_growth_interval)
                         if config.precision == "16-mixed" else None)
         self._steps = [0] * len(self._groups)
-        self._threads = config.cpu_threads or checks.default_cpu_threads()
+        cores = config.cpu_affinity
+        self._threads = config.cpu_threads or (
+            len(cores) if cores else default_threads(self.world_size, self.device, delayed))
+        self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
+        self._pending: int | None = None  # the step whose delayed CPU step is running
+        self._h2d_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._h2d_begin: tuple[float, torch.cuda.Event] | None = None
+        self._profile = self._streamer.profile = ProfileRecorder()
+        self._calls = 0  # step() calls, the profile's step numbers
+        self._fb_start: float | None = None
+        self._bwd_end: float | None = None
         self._clip_coef = 1.0
         self._clip_norm: float | None = None
         self._no_sync = False
@@ -137,6 +159,8 @@ class ZeroOffload:
 
     # -- forward / backward ------------------------------------------------------------------
     def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._fb_start is None and torch.is_grad_enabled():
+            self._fb_start = self._profile.now()
         return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
             kwargs, self.compute_dtype
         )
@@ -161,6 +185,7 @@ class ZeroOffload:
             raise
         finally:
             self._streamer.sync = not self._no_sync
+        self._bwd_end = self._profile.now()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -188,12 +213,67 @@ class ZeroOffload:
 
     def step(self) -> Tensor | None:
         """One optimizer step over this rank's shard. Returns the global pre-clip gradient norm
-        (None when neither clipping nor loss scaling needed it)."""
+        (None when neither clipping nor loss scaling needed it). With delayed update past its
+        warm-up, the CPU step runs on the worker and lands at the next ``step``/``synchronize``."""
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer stepped
+        self._calls += 1
+        k, prof = self._calls, self._profile
+        if self._fb_start is not None and self._bwd_end is not None:
+            prof.add("fwd_bwd", k, self._fb_start, self._bwd_end)
+        self._fb_start = self._bwd_end = None
         plan = self._decide()
-        if plan is not None:
-            self._apply(plan)
+        self._streamer.profile_step = k + 1
+        self._finish_delayed()  # step k-1's update lands now, before step k+1's forward
+        if plan is None:
+            prof.close(k)
+        elif self.config.delayed_update and self._steps[0] > self.config.delayed_update_warmup:
+            # The worker reads this step's gradient buffers; the next backward fills the spares.
+            grads = self._streamer.grad_sources()
+            spares = self._streamer.swap_buffers(self._grads_spare, self._staging_spare)
+            self._grads, (self._grads_spare, self._staging_spare) = self._grads_spare, spares
+            if self._h2d_stream is not None:  # the worker's copies go after this backward
+                self._h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._worker.submit(self._run_kernel, plan, grads, k, self._weights_spare)
+            self._pending = k
+        else:
+            with prof.span("stall", k):
+                grads = self._streamer.grad_sources()
+                if self._worker is not None:  # bound to its cores
+                    self._worker.run(self._run_kernel, plan, grads, k, self._weights)
+                else:
+                    self._run_kernel(plan, grads, k, self._weights)
+                self._push_done(k)
+            prof.close(k)
         return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
+
+    def _finish_delayed(self) -> None:
+        """Wait for the delayed CPU step (the wait is its exposed stall), gather the other ranks'
+        shards into the spare weights and make them the module's weights."""
+        k, self._pending = self._pending, None
+        if k is None:
+            return
+        try:
+            with self._profile.span("stall", k):
+                try:
+                    self._worker.wait()
+                except Exception as e:
+                    raise RuntimeError(
+                        f"ZeroOffload: the delayed CPU step of step {k} failed on its worker "
+                        f"thread ({type(e).__name__}: {e}); the host optimizer state may be "
+                        "partly updated, so resume from a checkpoint"
+                    ) from e
+                if self.world_size > 1:
+                    for bucket in self.layout.buckets:
+                        self._gather_bucket(bucket, self._weights_spare)
+                self._push_done(k)
+        finally:
+            self._profile.close(k)  # even when the worker failed: nothing is left half-open
+        self._weights, self._weights_spare = self._weights_spare, self._weights
+        with torch.no_grad():
+            for slot in self.layout.slots:
+                flat = self._weights[slot.group]
+                slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self._view_ptrs = [s.param.data_ptr() for s in self.layout.slots]
 
     def _decide(self) -> StepPlan | None:
         self._check_open()
@@ -201,7 +281,9 @@ class ZeroOffload:
         coef, norm = self._clip_coef, self._clip_norm
         self._clip_coef, self._clip_norm = 1.0, None
         self.last_grad_norm, self.last_step_skipped = None, True
-        if not self._streamer.finish():
+        with self._profile.span("grad_wait", self._calls):
+            arrived = self._streamer.finish()
+        if not arrived:
             return None  # no gradient since zero_grad: like torch, nothing to do
         if norm is None and (self.config.max_grad_norm or self._scaler is not None):
             norm = self._global_norm(2.0)
@@ -227,35 +309,77 @@ class ZeroOffload:
             })
         return StepPlan(coef / (self.world_size * scale), hparams)
 
-    def _apply(self, plan: StepPlan) -> None:
-        self._wait_h2d()
-        for g, hp in enumerate(plan.hparams):
-            if self.layout.group_shard_numel[g] == 0:
-                continue
-            fused_adamw_(
-                self._master[g], self._grads[g], self._exp_avg[g], self._exp_avg_sq[g],
-                grad_scale=plan.grad_scale, out=self._out[g], num_threads=self._threads, **hp,
-            )
-        self._push_weights()
+    def _run_kernel(self, plan: StepPlan, grads: list[Tensor], k: int,
+                    target: list[Tensor]) -> None:
+        """The fused kernel over this rank's shard, chunk by chunk (a chunk is a bucket's shard,
+        its gradient ``grads[b]``, in fp32 or still in the compute dtype in pinned staging);
+        each finished chunk goes to ``target`` (on CUDA asynchronously, on a side stream) while
+        the next one computes. ``target`` is the live weights, or the spare ones on the delayed
+        worker, which never runs a collective (those stay on the caller's thread)."""
+        self._wait_h2d()  # host buffers are rewritten only after the last copy has read them
+        live = target is self._weights
+        with self._profile.span("cpu_step", k):
+            for b, bucket in enumerate(self.layout.buckets):
+                g, hp = bucket.group, plan.hparams[bucket.group]
+                sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
+                lo, hi = bucket.shard_range(self.rank)
+                out = self._out[g]
+                out = target[g][lo:hi] if self._out_direct else None if out is None else out[sl]
+                fused_adamw_(
+                    self._master[g][sl], grads[b], self._exp_avg[g][sl],
+                    self._exp_avg_sq[g][sl], grad_scale=plan.grad_scale, out=out,
+                    num_threads=self._threads, **hp,
+                )
+                self._copy_bucket(bucket, target, k=k)
+                if live and self.world_size > 1:
+                    self._gather_bucket(bucket, target)
 
     def _push_weights(self, from_master: bool = False) -> None:
-        """Copy this rank's updated shard into the device buffer and all-gather every bucket."""
-        non_blocking = self.device.type == "cuda"
-        with torch.no_grad():
-            for bucket in self.layout.buckets:
-                g = bucket.group
-                lo, hi = bucket.shard_range(self.rank)
-                dst = self._weights[g][lo:hi]
-                if from_master or not self._out_direct:
-                    src = self._master[g] if from_master or self._out[g] is None else self._out[g]
-                    dst.copy_(src[bucket.host_offset : bucket.host_offset + bucket.shard],
-                              non_blocking=non_blocking)
-                if self.world_size > 1:
-                    full = self._weights[g][bucket.start : bucket.start + bucket.numel]
-                    _all_gather(full, dst, group=self.process_group)
-        if non_blocking:
-            self._h2d_event = torch.cuda.Event()
-            self._h2d_event.record()
+        """Copy this rank's shard (the staged new weights, or the master weights) into the live
+        device buffer and all-gather every bucket."""
+        for bucket in self.layout.buckets:
+            self._copy_bucket(bucket, self._weights, from_master)
+            if self.world_size > 1:
+                self._gather_bucket(bucket, self._weights)
+        self._push_done(None)
+
+    def _copy_bucket(self, bucket: Any, target: list[Tensor], from_master: bool = False,
+                     k: int | None = None) -> None:
+        if self._out_direct and not from_master:
+            return  # the kernel wrote the weights in place
+        stream = self._h2d_stream
+        if stream is not None and self._h2d_begin is None:  # first chunk of this push
+            if target is self._weights:
+                stream.wait_stream(torch.cuda.current_stream(self.device))  # after backward
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            self._h2d_begin = (self._profile.now(), begin)
+        g = bucket.group
+        lo, hi = bucket.shard_range(self.rank)
+        src = self._master[g] if from_master or self._out[g] is None else self._out[g]
+        src = src[bucket.host_offset : bucket.host_offset + bucket.shard]
+        with torch.no_grad(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            target[g][lo:hi].copy_(src, non_blocking=stream is not None)
+
+    def _gather_bucket(self, bucket: Any, target: list[Tensor]) -> None:
+        stream = self._h2d_stream
+        g = bucket.group
+        lo, hi = bucket.shard_range(self.rank)
+        full = target[g][bucket.start : bucket.start + bucket.numel]
+        with torch.no_grad(), torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+            _all_gather(full, target[g][lo:hi], group=self.process_group)
+
+    def _push_done(self, step: int | None) -> None:
+        """The next forward (on the compute stream) waits for the copies; profile them."""
+        stream = self._h2d_stream
+        if stream is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if step is not None and self._h2d_begin is not None:
+            self._profile.add_device("weight_copy", step, *self._h2d_begin, end)
+        self._h2d_begin, self._h2d_event = None, end
 
     def _wait_h2d(self) -> None:
         """The host staging buffers are rewritten only after the last H2D copy has read them."""
@@ -266,6 +390,7 @@ class ZeroOffload:
     def _global_norm(self, norm_type: float) -> float:
         local = self._streamer.local_sq_sum() if norm_type == 2.0 else None
         if local is None:
+            self._streamer.materialize()
             parts = [torch.linalg.vector_norm(g, norm_type) for g in self._grads if g.numel()]
             if not parts:
                 local = torch.tensor(0.0)
@@ -288,11 +413,24 @@ class ZeroOffload:
         self._streamer.reset()
 
     def synchronize(self) -> None:
-        """Wait for pending transfers and updates."""
+        """Wait for pending transfers and updates: a delayed update is applied now (so
+        checkpoints, validation and the end of training see every step)."""
+        self._finish_delayed()
         if self.device.type == "cuda":
             self._streamer.drain()
             self._wait_h2d()
             torch.cuda.current_stream(self.device).synchronize()
+
+    @property
+    def profile(self) -> list[StepProfile]:
+        """Timings of the recent steps (see ``core.profile.StepProfile``), oldest first; a
+        delayed step appears once its update has landed."""
+        return self._profile.records
+
+    @property
+    def last_profile(self) -> StepProfile | None:
+        recs = self._profile.records
+        return recs[-1] if recs else None
 
     # -- checks -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -482,6 +620,8 @@ class ZeroOffload:
         if self._closed:
             return
         self.synchronize()
+        if self._worker is not None:
+            self._worker.close()
         self._streamer.remove()
         self._input_hook.remove()
         if copy_weights_to_module:
@@ -499,4 +639,5 @@ class ZeroOffload:
         self._master = self._exp_avg = self._exp_avg_sq = self._grads = []
         self._out = []
         self._weights = []
+        self._weights_spare = self._grads_spare = self._staging_spare = None
         self._closed = True

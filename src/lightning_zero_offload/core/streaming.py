@@ -48,6 +48,9 @@ class GradStreamer:
         self._next = 0
         self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
+        self.in_staging = [False] * nb  # CUDA: the bucket's gradient is only in its staging slice
+        self.profile = None  # a ProfileRecorder: each bucket's transfer is a "grad_transfer" span
+        self.profile_step = 1  # the optimizer step these gradients are for
         self._pool: list[Tensor] = []  # CPU only: released bucket buffers
         self._direct = not self.cuda and self.world_size == 1
         self.stats: list[Tensor] = []  # device sum of squares of every flushed shard
@@ -159,24 +162,33 @@ class GradStreamer:
         first = self.flushes[b] == 0
         self.flushes[b] += 1
         if not self.cuda:
+            t0 = self.profile.now() if self.profile else 0.0
             shard = self._reduce(buf, bucket.shard)
             self.stats.append(_sq_sum(shard))
             if shard.data_ptr() != host.data_ptr():
                 host.copy_(shard) if first else host.add_(shard)
                 self._pool.append(buf if buf._base is None else buf._base)
+            if self.profile:
+                self.profile.add("grad_transfer", self.profile_step, t0, self.profile.now())
             return
-        self._finish_pending(b)
+        self._finish_pending(b)  # this bucket's previous flush lands before staging is reused
+        self._materialize(b)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            if self.profile:
+                begin = (self.profile.now(), torch.cuda.Event(enable_timing=True))
+                begin[1].record(stream)
             shard = self._reduce(buf, bucket.shard)
             self.stats.append(_sq_sum(shard))
             staging = self._staging[bucket.group][
                 bucket.host_offset : bucket.host_offset + bucket.shard
             ]
             staging.copy_(shard, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=self.profile is not None)
             event.record(stream)
+            if self.profile:
+                self.profile.add_device("grad_transfer", self.profile_step, *begin, event)
         buf.record_stream(stream)  # the allocator reuses it once the side stream is past it
         shard.record_stream(stream)
         self._pending[b] = (event, staging, host, first)
@@ -188,19 +200,61 @@ class GradStreamer:
         _reduce_scatter(out, buf, group=self.group)
         return out
 
-    def _finish_pending(self, b: int) -> None:
+    def _finish_pending(self, b: int, lazy: bool = False) -> None:
+        """Wait for bucket ``b``'s transfer. A first flush drained ``lazy`` stays in its staging
+        slice, where the step's kernel reads it (no fp32 pass over the gradient on the host)."""
         item = self._pending[b]
         if item is not None:
             event, staging, host, first = item
             event.synchronize()
-            host.copy_(staging) if first else host.add_(staging)
             self._pending[b] = None
+            if first and lazy:
+                self.in_staging[b] = True
+            else:
+                host.copy_(staging) if first else host.add_(staging)
+
+    def _slices(self, b: int) -> tuple[Tensor, Tensor | None]:
+        """Bucket ``b``'s shard in the fp32 host gradient and in the staging buffer."""
+        bucket = self.layout.buckets[b]
+        sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
+        return (self.host_grads[bucket.group][sl],
+                self._staging[bucket.group][sl] if self.cuda else None)
+
+    def _materialize(self, b: int) -> None:
+        if self.in_staging[b]:
+            self.in_staging[b] = False
+            host, staging = self._slices(b)
+            host.copy_(staging)
+
+    def materialize(self) -> None:
+        """Make the fp32 host gradient complete (for a host-side norm)."""
+        self.drain()
+        for b in range(len(self.in_staging)):
+            self._materialize(b)
+
+    def grad_sources(self) -> list[Tensor]:
+        """Per bucket, this rank's gradient shard for the kernel: the staging slice (compute
+        dtype) when one flush left it there, else the fp32 host gradient."""
+        self.drain()
+        return [self._slices(b)[1] if self.in_staging[b] else self._slices(b)[0]
+                for b in range(len(self.in_staging))]
+
+    def swap_buffers(self, host_grads: list[Tensor], staging: list[Tensor] | None) -> tuple:
+        """Delayed update: the step just decided keeps reading the current host gradient and
+        staging buffers (returned); the next backward fills these."""
+        old = self.host_grads, (self._staging if self.cuda else None)
+        self.host_grads = host_grads
+        if self.cuda:
+            self._staging = staging
+        self.in_staging = [False] * len(self.in_staging)
+        return old
 
     # -- step side -----------------------------------------------------------------------------
     def finish(self) -> bool:
-        """Make the host gradients complete for a step. Gradients left on the device by
-        ``no_sync`` micro-batches are reduced now; buckets that got nothing since ``zero_grad``
-        are zeroed. Returns False when no gradient arrived at all since ``zero_grad``."""
+        """Make the gradients complete for a step (``grad_sources`` says where they are).
+        Gradients left on the device by ``no_sync`` micro-batches are reduced now; buckets that
+        got nothing since ``zero_grad`` are zeroed. Returns False when no gradient arrived at all
+        since ``zero_grad``."""
         if not self._in_backward and any(s.param.grad is not None for s in self.layout.slots):
             self._in_backward = True
         self.end_backward()
@@ -215,10 +269,10 @@ class GradStreamer:
         return True
 
     def drain(self) -> None:
-        """Wait for every gradient transfer in flight and land it in the fp32 host gradient."""
+        """Wait for every gradient transfer in flight (first flushes stay in staging)."""
         if self.cuda:
             for b in range(len(self.layout.buckets)):
-                self._finish_pending(b)
+                self._finish_pending(b, lazy=True)
 
     def local_sq_sum(self) -> Tensor | None:
         """Sum of squares of this rank's reduced gradient shard, from the device-side statistics;
@@ -230,6 +284,7 @@ class GradStreamer:
     def reset(self) -> None:
         """``zero_grad``: the next flush of each bucket overwrites instead of adding."""
         self.flushes = [0] * len(self.flushes)
+        self.in_staging = [False] * len(self.in_staging)
         self.stats = []
         for s in self.layout.slots:
             s.param.grad = None
