@@ -80,24 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     engines = {m: make_engine(args.width, args.depth, m == "delayed", args)
                for m in ("plain", "delayed")}
     # The CPU step's length from the plain engine's profile; the delayed engine past its warm-up.
-    train(engines["plain"], x, 4, 0.0)
-    cpu_step = statistics.median(r.cpu_step for r in engines["plain"].profile[-3:])
+    train(engines["plain"], x, 8, 0.0)
+    cpu_step = statistics.median(r.cpu_step for r in engines["plain"].profile[-6:])
     train(engines["delayed"], x, args.warmup + 2, cpu_step)
     # Interleaved blocks (a shared machine drifts); each block's first step is not timed: it
     # has no previous delayed step to wait for.
+    # Each block's last step is flushed by synchronize(), a full stall: not in the profile means.
     times: dict[str, list[float]] = {"plain": [], "delayed": []}
-    first = {m: len(e.profile) for m, e in engines.items()}
+    recs: dict[str, list] = {"plain": [], "delayed": []}
     for _ in range(args.rounds):
         for mode, eng in engines.items():
             times[mode] += train(eng, x, args.block, cpu_step)[1:]
+            recs[mode] += eng.profile[-args.block:-1]
     res: dict = {"args": vars(args), "device_s": cpu_step,
                  "n_params": sum(p.numel() for p in engines["plain"].module.parameters())}
     for mode, eng in engines.items():
-        recs = eng.profile[first[mode]:]
         res[mode] = {"step_s": statistics.median(times[mode]), "steps_timed": len(times[mode]),
-                     "profile_mean_s": summarize(recs)}
+                     "profile_mean_s": summarize(recs[mode])}
         (out / f"dpu_{mode}_profile.json").write_text(
-            json.dumps({"records": [r.to_dict() for r in recs]}))
+            json.dumps({"records": [r.to_dict() for r in eng.profile[-args.block:]]}))
         eng.teardown()
     res["cpu_step_s"] = res["plain"]["profile_mean_s"]["cpu_step"]
     res["hidden_fraction"] = (res["plain"]["step_s"] - res["delayed"]["step_s"]) / res["cpu_step_s"]

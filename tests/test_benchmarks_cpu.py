@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import lightning_zero_offload as zo
 from lightning_zero_offload.core.profile import ProfileRecorder
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-HAS_DPU = hasattr(zo.ZeroOffload, "profile")
-NO_DPU = "the engine has no delayed update / profile yet (issue 6)"
 
 
 def _run(script: str, *args: str, timeout: float = 300) -> str:
@@ -43,7 +40,6 @@ def test_timeline_draws_recorded_profiles(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(not HAS_DPU, reason=NO_DPU)
 def test_timeline_demo_from_a_cpu_engine_run(tmp_path: Path) -> None:
     out = tmp_path / "demo.png"
     _run("timeline.py", "--demo", "--steps", "3", "-o", str(out))
@@ -60,16 +56,14 @@ def test_gpu_e2e_cpu_smoke(tmp_path: Path) -> None:
         assert peers[peer]["tokens_per_s"] > 0 and peers[peer]["peak_host_gib"] > 0
     assert res["cap"]["gpu"]["largest"]["size"] == "small"
     assert "| model |" in (tmp_path / "gpu_e2e.md").read_text() and "Largest model" in stdout
-    if HAS_DPU:
-        for peer in ("zero_offload", "zero_offload_dpu"):
-            assert "error" not in peers[peer], peers[peer]
-            assert peers[peer]["profile_mean_s"]["cpu_step"] > 0
-        assert set(thr["ratios"]) >= {"zero_offload/torch_bf16_master",
-                                      "zero_offload_dpu/torch_autocast"}
-        assert res["cap"]["offload"]["largest"]["size"] == "small" and res["cap"]["ratio"] == 1.0
+    for peer in ("zero_offload", "zero_offload_dpu"):
+        assert "error" not in peers[peer], peers[peer]
+        assert peers[peer]["profile_mean_s"]["cpu_step"] > 0
+    assert set(thr["ratios"]) >= {"zero_offload/torch_bf16_master",
+                                  "zero_offload_dpu/torch_autocast"}
+    assert res["cap"]["offload"]["largest"]["size"] == "small" and res["cap"]["ratio"] == 1.0
 
 
-@pytest.mark.skipif(not HAS_DPU, reason=NO_DPU)
 def test_dpu_overlap_cpu_tiny(tmp_path: Path) -> None:
     _run("dpu_overlap_cpu.py", "--tiny", "--out", str(tmp_path))
     res = json.loads((tmp_path / "dpu_overlap_cpu.json").read_text())

@@ -31,7 +31,11 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
             raise ValueError(f"ZeroOffload: device={device} but CUDA is not available")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
+    elif device.type == "cpu":
+        # "cpu:0" (Accelerate's CPU device) is the same memory; keeping the index would make
+        # `module.to` copy the parameters away from the flat buffer they must stay views of.
+        device = torch.device("cpu")
+    else:
         raise ValueError(f"ZeroOffload: device must be a CUDA device or the CPU, got {device}")
     return device
 

@@ -1,13 +1,19 @@
 """The CPU step's thread: delayed parameter update (ZeRO-Offload, section 5) and core binding.
 
 With ``delayed_update=True`` the engine hands the CPU step of step i (the kernel over this rank's
-shard, writing the new weights into host staging) to one worker thread and returns; forward and
-backward of step i+1 run meanwhile on the weights through step i-1. The next ``step()`` (or
-``synchronize()``) waits for the worker and copies the staged weights to the device, so they are
-in place before step i+2's forward. Everything that involves other ranks or the user's live state
-(gradient wait, global norm, loss scale, clip coefficient, learning rate) is settled on the
-caller's thread before the worker starts, and device copies and collectives stay on the caller's
-thread too, so the worker only ever touches host buffers that no one else uses until it is joined.
+shard, chunk by chunk, each chunk's new weights written into a spare device weight buffer: by the
+kernel itself on the CPU, by an asynchronous copy from pinned staging on a side stream on CUDA) to
+one worker thread and returns; forward and backward of step i+1 run meanwhile on the live buffer,
+which holds the weights through step i-1. The next ``step()`` (or ``synchronize()``) joins the
+worker, all-gathers the other ranks' shards into the spare buffer and swaps the two, so step i's
+weights are in place before step i+2's forward. Everything that involves other ranks or the
+user's live state (gradient wait, global norm, loss scale, clip coefficient, learning rate) is
+settled on the caller's thread before the worker starts, collectives stay on the caller's thread,
+and the worker touches only buffers no one else uses until it is joined.
+
+Core binding (``cpu_affinity``) applies to the worker thread and to the kernel's helper threads
+it starts; the kernel's pool is per process, so helpers started earlier by another thread keep
+their own affinity.
 """
 
 from __future__ import annotations
@@ -35,10 +41,6 @@ class CpuStepWorker:
                                         initializer=_init_thread,
                                         initargs=(tuple(cores) if cores else None, device))
         self._future: Future | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self._future is not None
 
     def submit(self, fn: Callable[..., None], *args: object) -> None:
         if self._future is not None:

@@ -86,9 +86,11 @@ class ZeroOffload:
         self.host_bytes = host_bytes_needed(
             shard, staging, elem, sum(layout.group_numel) if cpu_device else 0, elem
         )
-        if delayed:  # second gradient buffers (fp32 and staging), on the CPU the spare weights
-            self.host_bytes += (4 + (0 if cpu_device else elem)) * shard + (
-                sum(layout.group_numel) * elem if cpu_device else 0)
+        if not cpu_device:  # the fp32 gradient is allocated only if a step needs it (several
+            self.host_bytes -= 4 * shard  # synchronizing backward passes; GradStreamer._host)
+        if delayed:  # second gradient buffers; on the CPU also the spare weights
+            self.host_bytes += (4 * shard + sum(layout.group_numel) * elem if cpu_device
+                                else elem * shard)
         if config.check_host_memory:
             check_host_memory(self.host_bytes, self.rank)
 
@@ -97,8 +99,9 @@ class ZeroOffload:
         self._master = [torch.zeros(k, pin_memory=pin and not half) for k in n]
         self._exp_avg = [torch.zeros(k) for k in n]
         self._exp_avg_sq = [torch.zeros(k) for k in n]
-        self._grads = [torch.zeros(k) for k in n]
-        self._grads_spare = [torch.zeros(k) for k in n] if delayed else None
+        # fp32 gradients; on CUDA allocated on first need (see GradStreamer._host)
+        self._grads: list[Tensor | None] = [torch.zeros(k) if cpu_device else None for k in n]
+        self._grads_spare = [torch.zeros(k) if cpu_device else None for k in n] if delayed else None
         self._staging_spare = ([torch.empty(k, dtype=self.compute_dtype, pin_memory=pin) for k in n]
                                if delayed and not cpu_device else None)
         with torch.no_grad():
@@ -391,7 +394,8 @@ class ZeroOffload:
         local = self._streamer.local_sq_sum() if norm_type == 2.0 else None
         if local is None:
             self._streamer.materialize()
-            parts = [torch.linalg.vector_norm(g, norm_type) for g in self._grads if g.numel()]
+            parts = [torch.linalg.vector_norm(g, norm_type) for g in self._grads
+                     if g is not None and g.numel()]
             if not parts:
                 local = torch.tensor(0.0)
             elif math.isinf(norm_type):

@@ -158,10 +158,10 @@ class GradStreamer:
         self._bufs[b] = None
         if buf is None:
             buf = self._new_buffer(b)
-        host = self.host_grads[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
         first = self.flushes[b] == 0
         self.flushes[b] += 1
         if not self.cuda:
+            host = self._host(b)
             t0 = self.profile.now() if self.profile else 0.0
             shard = self._reduce(buf, bucket.shard)
             self.stats.append(_sq_sum(shard))
@@ -191,7 +191,7 @@ class GradStreamer:
                 self.profile.add_device("grad_transfer", self.profile_step, *begin, event)
         buf.record_stream(stream)  # the allocator reuses it once the side stream is past it
         shard.record_stream(stream)
-        self._pending[b] = (event, staging, host, first)
+        self._pending[b] = (event, first)
 
     def _reduce(self, buf: Tensor, shard_numel: int) -> Tensor:
         if self.world_size == 1:
@@ -205,26 +205,33 @@ class GradStreamer:
         slice, where the step's kernel reads it (no fp32 pass over the gradient on the host)."""
         item = self._pending[b]
         if item is not None:
-            event, staging, host, first = item
+            event, first = item
             event.synchronize()
             self._pending[b] = None
             if first and lazy:
                 self.in_staging[b] = True
             else:
+                host, staging = self._host(b), self._stage(b)
                 host.copy_(staging) if first else host.add_(staging)
 
-    def _slices(self, b: int) -> tuple[Tensor, Tensor | None]:
-        """Bucket ``b``'s shard in the fp32 host gradient and in the staging buffer."""
+    def _host(self, b: int) -> Tensor:
+        """Bucket ``b``'s shard of the fp32 host gradient. On CUDA that buffer is allocated on
+        first use: a step whose buckets were each flushed once reads its gradient from staging
+        and never needs it (4 bytes per parameter of host memory saved)."""
         bucket = self.layout.buckets[b]
-        sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
-        return (self.host_grads[bucket.group][sl],
-                self._staging[bucket.group][sl] if self.cuda else None)
+        g = bucket.group
+        if self.host_grads[g] is None:
+            self.host_grads[g] = torch.zeros(self.layout.group_shard_numel[g])
+        return self.host_grads[g][bucket.host_offset : bucket.host_offset + bucket.shard]
+
+    def _stage(self, b: int) -> Tensor:
+        bucket = self.layout.buckets[b]
+        return self._staging[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
 
     def _materialize(self, b: int) -> None:
         if self.in_staging[b]:
             self.in_staging[b] = False
-            host, staging = self._slices(b)
-            host.copy_(staging)
+            self._host(b).copy_(self._stage(b))
 
     def materialize(self) -> None:
         """Make the fp32 host gradient complete (for a host-side norm)."""
@@ -236,7 +243,7 @@ class GradStreamer:
         """Per bucket, this rank's gradient shard for the kernel: the staging slice (compute
         dtype) when one flush left it there, else the fp32 host gradient."""
         self.drain()
-        return [self._slices(b)[1] if self.in_staging[b] else self._slices(b)[0]
+        return [self._stage(b) if self.in_staging[b] else self._host(b)
                 for b in range(len(self.in_staging))]
 
     def swap_buffers(self, host_grads: list[Tensor], staging: list[Tensor] | None) -> tuple:
@@ -261,11 +268,13 @@ class GradStreamer:
         self.drain()
         if not any(self.flushes):
             return False
-        for b, bucket in enumerate(self.layout.buckets):
+        for b in range(len(self.layout.buckets)):
             if self.flushes[b] == 0:
-                self.host_grads[bucket.group][
-                    bucket.host_offset : bucket.host_offset + bucket.shard
-                ].zero_()
+                if self.cuda:  # this step reads the zeros from staging
+                    self._stage(b).zero_()
+                    self.in_staging[b] = True
+                else:
+                    self._host(b).zero_()
         return True
 
     def drain(self) -> None:
