@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -213,6 +214,9 @@ def test_load_state_needs_engine_shards(tmp_path):
         ({"ZERO_OFFLOAD_MAX_GRAD_NROM": "1"}, "ZERO_OFFLOAD_MAX_GRAD_NROM"),
         ({"ZERO_OFFLOAD_DELAYED_UPDATE": "sometimes"}, "ZERO_OFFLOAD_DELAYED_UPDATE"),
         ({"ZERO_OFFLOAD_CPU_THREADS": "1.5"}, "ZERO_OFFLOAD_CPU_THREADS"),
+        ({"ZERO_OFFLOAD_CPU_AFFINITY": "0,x"}, "ZERO_OFFLOAD_CPU_AFFINITY='0,x'.*integers"),
+        ({"ZERO_OFFLOAD_CPU_AFFINITY": "0.5"}, "ZERO_OFFLOAD_CPU_AFFINITY"),
+        ({"ZERO_OFFLOAD_CPU_AFFINITY": ""}, "ZERO_OFFLOAD_CPU_AFFINITY"),
         ({"ZERO_OFFLOAD_CONFIG": "/nonexistent.json"}, "ZERO_OFFLOAD_CONFIG"),
     ],
 )
@@ -221,6 +225,28 @@ def test_bad_env_values_raise(monkeypatch, env, match):
         monkeypatch.setenv(k, v)
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         zero_offload_enabled()
+        config_overrides_from_env()
+
+
+@pytest.mark.parametrize("text", ["0,1", " 0, 1 ", "[0, 1]", "0 1"])
+def test_cpu_affinity_from_env(monkeypatch, text):
+    monkeypatch.setenv("ZERO_OFFLOAD_CPU_AFFINITY", text)
+    assert config_overrides_from_env() == {"cpu_affinity": (0, 1)}
+    monkeypatch.setenv("ZERO_OFFLOAD_CPU_AFFINITY", "none")
+    assert config_overrides_from_env() == {"cpu_affinity": None}
+
+
+def test_cpu_affinity_reaches_the_config(monkeypatch, tmp_path):
+    core = min(os.sched_getaffinity(0))
+    monkeypatch.setenv("ZERO_OFFLOAD_CPU_AFFINITY", str(core))
+    assert ZeroOffloadPlugin(enabled=True).resolve_config("no").cpu_affinity == (core,)
+    path = tmp_path / "zo.yaml"  # a list in a config file
+    path.write_text(f"cpu_affinity: [{core}]\n")
+    monkeypatch.delenv("ZERO_OFFLOAD_CPU_AFFINITY")
+    monkeypatch.setenv("ZERO_OFFLOAD_CONFIG", str(path))
+    assert config_overrides_from_env() == {"cpu_affinity": (core,)}
+    path.write_text("cpu_affinity: [true]\n")
+    with pytest.raises(ValueError, match="cpu_affinity.*integers"):
         config_overrides_from_env()
 
 

@@ -412,6 +412,46 @@ def test_teardown_returns_ordinary_fp32_parameters(precision):
         engine.step()
 
 
+def test_full_state_dict_parts_equal_the_whole_and_gather_only_their_part():
+    engine = engine_for(precision="bf16-mixed", max_grad_norm=1.0)
+    train(engine, batches(3))
+    full = engine.full_state_dict()
+    gathered = []
+    gather = engine._gather_full
+    engine._gather_full = lambda host: gathered.append(host) or gather(host)
+    weights = engine.full_state_dict(optimizer=False)
+    assert len(gathered) == 1 and "optimizer" not in weights  # the master weights only
+    assert weights["model"].keys() == full["model"].keys()
+    for k, v in full["model"].items():
+        assert v.dtype == torch.float32 and torch.equal(weights["model"][k], v)
+    opt = engine.full_state_dict(model=False)
+    assert len(gathered) == 3 and "model" not in opt  # the two moments
+    assert opt["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
+    assert opt["optimizer"]["state"].keys() == full["optimizer"]["state"].keys()
+    for i, st in full["optimizer"]["state"].items():
+        assert all(torch.equal(opt["optimizer"]["state"][i][k], st[k]) for k in st)
+
+
+def test_facade_is_named_after_the_wrapped_optimizer():
+    """Frameworks name optimizers by class (LearningRateMonitor logs "lr-AdamW")."""
+    from lightning_zero_offload.core.optimizer import OffloadOptimizer
+
+    for optim in (torch.optim.AdamW, torch.optim.Adam):
+        facade = engine_for(optim=optim).optimizer
+        assert type(facade).__name__ == optim.__name__
+        assert isinstance(facade, torch.optim.Optimizer) and isinstance(facade, OffloadOptimizer)
+        assert not isinstance(facade, optim)
+    assert type(engine_for().optimizer) is type(engine_for().optimizer)  # one class per name
+
+
+def test_finished_profile_is_the_last_landed_step_on_the_cpu():
+    engine = engine_for(precision="32-true")
+    assert engine.finished_profile() is None
+    train(engine, batches(2))
+    prof = engine.finished_profile()
+    assert prof is engine.last_profile and prof.step == 2 and prof.cpu_step > 0
+
+
 def test_facade_closure_state_dict_and_mismatched_shard():
     engine = engine_for(precision="32-true")
     x, y = batches(1)[0]

@@ -50,7 +50,9 @@ def _ranks_train(rank: int, world: int) -> dict:
         engine = _engine()
         _train(engine, _split(batches(6), rank, world), micro)
         out[micro] = {"params": _params(engine), "shard": engine.layout.shard_numel,
-                      "norm": engine.last_grad_norm, "full": engine.full_state_dict()}
+                      "norm": engine.last_grad_norm, "full": engine.full_state_dict(),
+                      "weights": engine.full_state_dict(optimizer=False),
+                      "moments": engine.full_state_dict(model=False)}
     engine = _engine("bf16-mixed")
     _train(engine, _split(batches(4), rank, world))
     out["bf16"] = _params(engine)
@@ -74,6 +76,17 @@ def test_two_ranks_equal_one_rank():
         ref_m = [s["exp_avg"] for s in ref["optimizer"]["state"].values()]
         _close(ref_m, [s["exp_avg"] for s in full["optimizer"]["state"].values()], 1e-4)
         assert ref["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
+        for r in range(2):  # the weights-only and moments-only gathers equal the whole
+            got = two[r][micro]
+            assert "optimizer" not in got["weights"] and "model" not in got["moments"]
+            assert got["weights"]["model"].keys() == got["full"]["model"].keys()
+            for k, v in got["full"]["model"].items():
+                assert torch.equal(got["weights"]["model"][k], v)
+            state = got["full"]["optimizer"]["state"]
+            assert got["moments"]["optimizer"]["state"].keys() == state.keys()
+            for i, st in state.items():
+                assert all(torch.equal(got["moments"]["optimizer"]["state"][i][k], st[k])
+                           for k in st)
     for a, b in zip(two[0]["bf16"], two[1]["bf16"], strict=True):
         assert torch.equal(a, b)
 

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero_offload
 from lightning_zero_offload import ZeroOffloadConfig, ZeroOffloadStrategy
+from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import ZeroOffloadPrecision
 from lightning_zero_offload.lightning.checkpoint import consolidate_checkpoint
 
@@ -175,7 +176,7 @@ def test_matches_default_strategy_fp32(tmp_path):
 
 
 def test_lr_monitor_and_scheduler_see_live_groups(tmp_path):
-    logged = {}
+    logged, names = {}, {}
     for name, strategy in (("ref", "auto"), ("off", "zero_offload")):
         logger = CSVLogger(tmp_path, name=name)
         fit(
@@ -190,9 +191,28 @@ def test_lr_monitor_and_scheduler_see_live_groups(tmp_path):
             rows = list(csv.DictReader(f))
         keys = [k for k in rows[0] if k.startswith("lr-")]
         assert len(keys) == 1, keys  # one optimizer, not the user's plus the engine's
+        names[name] = keys[0]
         logged[name] = [float(r[keys[0]]) for r in rows if r[keys[0]]]
+    assert names["off"] == names["ref"] == "lr-AdamW"  # named as without offload
     assert logged["off"] == logged["ref"]
     assert logged["off"][-1] < logged["off"][0]  # the StepLR schedule acted
+
+
+def test_step_profile_and_grad_norm_are_logged_once_per_step(tmp_path):
+    logger = CSVLogger(tmp_path, name="profile")
+    model, t = fit(OffloadNormNet, "zero_offload", tmp_path, logger=logger, log_every_n_steps=1)
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("zero_offload/cpu_step_ms")]
+    keys = ["zero_offload/grad_norm", *(f"zero_offload/{k}_ms" for k in FIELDS)]
+    assert len(rows) == t.global_step == 6  # once per optimizer step, not per micro-batch
+    for row in rows:
+        v = {k.split("/")[1]: float(row[k]) for k in keys}
+        assert v["cpu_step_ms"] > 0 and v["fwd_bwd_ms"] > 0 and v["grad_wait_ms"] >= 0
+        assert v["stall_ms"] >= v["cpu_step_ms"]  # no delayed update: the whole step shows
+        assert v["weight_copy_ms"] == 0  # no device copies on the CPU
+    # the logged norm is the one the strategy reports (torch's, see the fp32 test)
+    assert [float(r["zero_offload/grad_norm"]) for r in rows] == pytest.approx(model.norms)
+    assert not any(k.startswith("zero_offload/") for k in t.progress_bar_metrics)
 
 
 @pytest.mark.parametrize("form", ["epoch", "dict", "plateau"])
@@ -227,12 +247,14 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_checkpoint_is_plain_fp32_and_loads_without_strategy(tmp_path):
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    weights_cb = ModelCheckpoint(dirpath=tmp_path, filename="weights-{step}", save_top_k=-1,
+                                 every_n_train_steps=2, save_weights_only=True)
     model, _ = fit(
         Net,
         "zero_offload",
         tmp_path,
         enable_checkpointing=True,
-        callbacks=[ckpt_cb],
+        callbacks=[ckpt_cb, weights_cb],
         precision="bf16-mixed",
     )
     path = tmp_path / "epoch=1-step=6.ckpt"
@@ -246,6 +268,9 @@ def test_checkpoint_is_plain_fp32_and_loads_without_strategy(tmp_path):
     assert float(plain.state[plain.param_groups[0]["params"][0]]["step"]) == 6
     loaded = Net.load_from_checkpoint(path)
     assert_close(weights(loaded), state, rel=0)
+    weights_only = torch.load(tmp_path / "weights-step=6.ckpt", weights_only=False)
+    assert "optimizer_states" not in weights_only
+    assert_close(weights_only["state_dict"], state, rel=0)
 
 
 def test_resume_zero_offload_checkpoint_with_default_strategy(tmp_path):

@@ -99,6 +99,42 @@ def test_dump_and_summarize(tmp_path) -> None:
     assert summarize([]) == {}
 
 
+class _Event:
+    """Stands in for a CUDA timing event: ``done`` until ``query``/``synchronize``."""
+
+    def __init__(self, done: bool, ms: float = 0.0) -> None:
+        self.done, self.ms, self.waited = done, ms, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = not self.done
+        self.done = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.ms
+
+
+def test_finished_never_waits_for_device_spans() -> None:
+    rec = ProfileRecorder()
+    running = _Event(False, ms=5.0)
+    rec.add("cpu_step", 1, 0.0, 1.0)
+    rec.add_device("weight_copy", 1, 1.0, _Event(True), running)
+    rec.close(1)
+    rec.add_device("weight_copy", 2, 2.0, _Event(True), _Event(True, ms=2.0))  # still open
+    assert rec.finished() == [] and not running.waited  # its copy still runs: left for later
+    running.done = True
+    (r,) = rec.finished()
+    assert (r.step, r.cpu_step, r.weight_copy) == (1, 1.0, pytest.approx(0.005))
+    rec.add_device("weight_copy", 3, 3.0, _Event(True), slow := _Event(False, ms=1.0))
+    rec.close(2)
+    rec.close(3)
+    assert [r.step for r in rec.finished()] == [1, 2]
+    assert [r.step for r in rec.records] == [1, 2, 3] and slow.waited  # records waits
+    assert rec.records[2].weight_copy == pytest.approx(0.001)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_span_measures_device_time() -> None:

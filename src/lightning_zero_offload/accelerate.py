@@ -97,13 +97,10 @@ def _coerce(source: str, value: Any, hint: Any) -> Any:
     optional = type(None) in args
     base = next(a for a in args if a is not type(None)) if args else hint
     expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
-    if base not in (bool, int, float, str):  # e.g. a list: JSON text from a variable
-        if not isinstance(value, str):
-            return value  # ZeroOffloadConfig checks it
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            raise ValueError(f"{source}={value!r}: expected {expected} as JSON") from None
+    if typing.get_origin(base) is tuple:  # cpu_affinity: "0,1,2" (or "[0, 1, 2]", a list)
+        return _coerce_ints(source, value, optional)
+    if base not in (bool, int, float, str):
+        raise TypeError(f"no parser for option {source} of type {hint}")
     if isinstance(value, str) and base is not str:
         text = value.strip()
         if optional and text.lower() in ("none", "null"):
@@ -121,6 +118,25 @@ def _coerce(source: str, value: Any, hint: Any) -> Any:
     if isinstance(value, base) and not (base is int and isinstance(value, bool)):
         return value
     raise ValueError(f"{source}={value!r}: expected {expected}")
+
+
+def _coerce_ints(source: str, value: Any, optional: bool) -> tuple[int, ...] | None:
+    """Comma-separated ints from a variable, or a list of ints from a file."""
+    text = value.strip() if isinstance(value, str) else None
+    if optional and (value is None or (text or "").lower() in ("none", "null")):
+        return None
+    items = value if text is None else text.strip("[]()").replace(",", " ").split()
+    try:
+        if not isinstance(items, (list, tuple)) or not items or any(
+            isinstance(i, (bool, float)) for i in items
+        ):
+            raise ValueError
+        return tuple(int(i) for i in items)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{source}={value!r}: expected comma-separated integers such as 0,1,2"
+            + (" (or none)" if optional else "")
+        ) from None
 
 
 def load_config_file(path: str | os.PathLike, *, source: str = ENV_CONFIG) -> dict[str, Any]:
@@ -422,7 +438,7 @@ def _route_accelerator(
         # call, as for DeepSpeed). save_state uses unwrap=False and keeps the device weights:
         # the master weights go into the engine's shards there.
         if model is engine.module and unwrap:
-            return engine.full_state_dict()["model"]
+            return engine.full_state_dict(optimizer=False)["model"]
         return plain_get_state_dict(model, unwrap=unwrap)
 
     def save_hook(models: list, weights: list, output_dir: str) -> None:

@@ -169,7 +169,7 @@ class ZeroOffloadMixin:
         engine = self._zero_offload_engine()
         if engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = engine.full_state_dict()["model"]
+        state_dict = engine.full_state_dict(optimizer=False)["model"]
         self._save(output_dir if output_dir is not None else self.args.output_dir,
                    state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:

@@ -37,6 +37,12 @@ from lightning_zero_offload.ops import fused_adamw_
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _host_copy(t: Tensor) -> Tensor:
+    """A module buffer or untrained tensor for the full state: on the host, floats in fp32."""
+    t = t.detach().cpu()
+    return t.float() if t.is_floating_point() else t.clone()
+
+
 @dataclass
 class StepPlan:
     """Everything ``_apply`` needs, fixed at decision time."""
@@ -433,7 +439,14 @@ class ZeroOffload:
 
     @property
     def last_profile(self) -> StepProfile | None:
+        """The newest landed step's timings; on CUDA waits for its weight copies."""
         recs = self._profile.records
+        return recs[-1] if recs else None
+
+    def finished_profile(self) -> StepProfile | None:
+        """The newest step whose timings are all in, without waiting for the device: cheap
+        enough to log every step (on CUDA it may be the step before ``last_profile``)."""
+        recs = self._profile.finished()
         return recs[-1] if recs else None
 
     # -- checks -------------------------------------------------------------------------------
@@ -516,25 +529,28 @@ class ZeroOffload:
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
-    def full_state_dict(self) -> dict:
+    def full_state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict:
         """Collective. ``{"model": fp32 module state_dict, "optimizer": torch AdamW format}``,
-        loadable into a plain model and ``torch.optim.AdamW``, or an engine of any world size."""
+        loadable into a plain model and ``torch.optim.AdamW``, or an engine of any world size.
+        ``optimizer=False`` (saving the trained weights) or ``model=False`` leaves that entry out
+        and does not gather it: the weights are a third of the state."""
         self._check_open()
         self.synchronize()
-        flats = {k: self._gather_full(getattr(self, "_" + k))
-                 for k in ("master", "exp_avg", "exp_avg_sq")}
+        keys = ("master",) * model + ("exp_avg", "exp_avg_sq") * optimizer
+        flats = {k: self._gather_full(getattr(self, "_" + k)) for k in keys}
         hparams = [ckpt.group_hparams(g) for g in self.optimizer.param_groups]
         out = ckpt.assemble(self.layout.describe(), flats, list(self._steps), hparams)
-        trained = {id(s.param): s.name for s in self.layout.slots}
-        model = {}
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in trained:
-                model[name] = out["model"][trained[id(t)]]
-            else:
-                t = t.detach().cpu()
-                model[name] = t.float() if t.is_floating_point() else t.clone()
-        return {"format": ckpt.FULL_FORMAT, "model": model, "optimizer": out["optimizer"],
-                "scaler": self._scaler.state_dict() if self._scaler else None}
+        full: dict[str, Any] = {"format": ckpt.FULL_FORMAT}
+        if model:  # keyed like module.state_dict(): buffers and untrained tensors too
+            trained = {id(s.param): s.name for s in self.layout.slots}
+            full["model"] = {
+                name: out["model"][trained[id(t)]] if id(t) in trained else _host_copy(t)
+                for name, t in self.module.state_dict(keep_vars=True).items()
+            }
+        if optimizer:
+            full["optimizer"] = out["optimizer"]
+        full["scaler"] = self._scaler.state_dict() if self._scaler else None
+        return full
 
     def load_full_state_dict(self, state: dict) -> None:
         """Load the consolidated form (from any world size), or a plain ``{"model":

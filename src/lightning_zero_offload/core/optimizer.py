@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """Shares the user's ``param_groups`` (the same dicts), so schedulers and per-group changes
     to ``lr``/``weight_decay``/``betas`` reach the engine's next step. ``step``/``zero_grad``/
     ``state_dict`` go to the engine; ``state`` stays empty because the state lives on the host
-    shards (use ``engine.full_state_dict()`` for torch's format)."""
+    shards (use ``engine.full_state_dict()`` for torch's format).
+
+    An instance's class is a subclass named after the wrapped optimizer's (``AdamW``/``Adam``),
+    since frameworks name things by ``optimizer.__class__.__name__`` (``LearningRateMonitor``
+    logs ``lr-AdamW`` as it does without offload); it is not a ``torch.optim.AdamW``."""
+
+    def __new__(cls, engine: ZeroOffload, inner: torch.optim.Optimizer) -> OffloadOptimizer:
+        if cls is OffloadOptimizer:
+            cls = _named(type(inner).__name__)
+        return super().__new__(cls)
 
     def __init__(self, engine: ZeroOffload, inner: torch.optim.Optimizer) -> None:
         # Optimizer.__init__ would copy the groups; set up what it sets, sharing the groups.
@@ -55,3 +65,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "ZeroOffload: parameters cannot be added after setup; add all param groups to the "
             "optimizer before creating ZeroOffload"
         )
+
+
+@functools.cache
+def _named(name: str) -> type[OffloadOptimizer]:
+    """One ``OffloadOptimizer`` subclass per wrapped optimizer class name."""
+    return type(name, (OffloadOptimizer,), {"__module__": __name__, "__qualname__": name})

@@ -123,17 +123,29 @@ class ProfileRecorder:
     @property
     def records(self) -> list[StepProfile]:
         """Closed steps, oldest first; waits for their device spans (call off the hot path)."""
+        return self._resolve(wait=True)
+
+    def finished(self) -> list[StepProfile]:
+        """Closed steps whose device spans have all completed, oldest first, without waiting:
+        cheap enough for every step (a step whose copies are still running shows up later)."""
+        return self._resolve(wait=False)
+
+    def _resolve(self, wait: bool) -> list[StepProfile]:
         with self._lock:
             cuda, self._cuda = self._cuda, []
-        for step, name, host, start_ev, end_ev in cuda:
-            if step in self._closed:
+            closed = set(self._closed)  # a step's device spans are all added before it closes
+        kept = []
+        for item in cuda:
+            step, name, host, start_ev, end_ev = item
+            if step in closed and (wait or end_ev.query()):
                 end_ev.synchronize()
                 self.add(name, step, host, host + start_ev.elapsed_time(end_ev) / 1000.0)
-            elif step in self._steps:  # still open: resolve on a later read
-                with self._lock:
-                    self._cuda.append((step, name, host, start_ev, end_ev))
+            elif step in self._steps:  # still open or running: resolve on a later read
+                kept.append(item)
+        pending = {item[0] for item in kept}
         with self._lock:
-            return [r for s, r in self._steps.items() if s in self._closed]
+            self._cuda.extend(kept)
+            return [r for s, r in self._steps.items() if s in closed and s not in pending]
 
     def dump(self, path: str) -> None:
         """Write the closed records as JSON (``benchmarks/timeline.py`` draws it)."""

@@ -57,13 +57,15 @@ def consolidate(shards: list[dict]) -> dict:
 
 def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
              hparams: list[dict]) -> dict:
-    """Full state from full flat fp32 buffers per group (``flats[key][group]``)."""
+    """Full state from full flat fp32 buffers per group (``flats[key][group]``); without
+    ``"master"`` the model is empty, without ``"exp_avg"``/``"exp_avg_sq"`` the optimizer state."""
     model: dict[str, Tensor] = {}
     state: dict[int, dict] = {}
     for name, g, index, offset, numel, shape in desc["params"]:
         sl = slice(offset, offset + numel)
-        model[name] = flats["master"][g][sl].view(shape).clone()
-        if steps[g] > 0:
+        if "master" in flats:
+            model[name] = flats["master"][g][sl].view(shape).clone()
+        if steps[g] > 0 and "exp_avg" in flats:
             state[index] = {
                 "step": torch.tensor(float(steps[g])),
                 "exp_avg": flats["exp_avg"][g][sl].view(shape).clone(),

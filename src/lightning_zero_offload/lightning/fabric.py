@@ -211,8 +211,13 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
             ckpt.save_sharded(self.engine, converted, path, self.is_global_zero)
             self.barrier("zero_offload_save")
             return
-        full = self.engine.full_state_dict()  # collective
-        entries = {"model": full["model"], "optimizer": ckpt.optimizer_entry(full)}
+        kinds = set(owned.values())  # gather only what is saved (the weights are a third)
+        full = self.engine.full_state_dict(  # collective
+            model="model" in kinds, optimizer="optimizer" in kinds
+        )
+        entries = {"model": full.get("model")}
+        if "optimizer" in full:
+            entries["optimizer"] = ckpt.optimizer_entry(full)
         converted.update({key: entries[kind] for key, kind in owned.items()})
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)

@@ -32,6 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, precision_name
 
@@ -94,8 +95,13 @@ class ZeroOffloadStrategy(DDPStrategy):
             without this strategy.
 
     Remaining arguments are ``DDPStrategy``'s (launcher, cluster environment, process group).
-    The last pre-clip global gradient norm is ``strategy.grad_norm``; log it from a hook, e.g.
-    ``self.log("grad_norm", self.trainer.strategy.grad_norm)`` in ``on_train_batch_end``.
+    After each optimizer step that updated the weights, the strategy logs (on step, to the
+    loggers, not the progress bar) the pre-clip global gradient norm as ``zero_offload/grad_norm``
+    (also ``strategy.grad_norm``) and the engine's step profile in milliseconds:
+    ``zero_offload/fwd_bwd_ms``, ``grad_wait_ms``, ``cpu_step_ms``, ``weight_copy_ms`` (CUDA
+    only) and ``stall_ms`` (see ``core.profile.StepProfile``). The profile is the newest step
+    whose timings are all in: with delayed update, or while weight copies still run on CUDA, it
+    is an earlier step's.
     Gradients never stay on the device, so ``param.grad`` is ``None`` in hooks such as
     ``on_before_optimizer_step``.
     """
@@ -120,7 +126,7 @@ class ZeroOffloadStrategy(DDPStrategy):
         self.config = build_config(config, config_overrides)
         self.sharded_checkpoint = sharded_checkpoint
         self.engine = None
-        self._pending_optimizer_state: dict[str, Any] | None = None
+        self._logged_profile = 0  # the engine step whose profile was logged last
         self._default_precision = ZeroOffloadPrecision("32-true")
         super().__init__(
             accelerator=accelerator,
@@ -208,6 +214,7 @@ class ZeroOffloadStrategy(DDPStrategy):
             retarget_scheduler(lr_config.scheduler, optimizer, facade)
         self.optimizers = [facade]
         self.precision_plugin.engine = self.engine
+        self._logged_profile = 0
 
     @override
     def model_to_device(self) -> None:
@@ -220,7 +227,6 @@ class ZeroOffloadStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.teardown(copy_weights_to_module=True)
             self.engine = None
-        self._pending_optimizer_state = None
         super().teardown()
 
     @override
@@ -235,6 +241,37 @@ class ZeroOffloadStrategy(DDPStrategy):
     def on_validation_start(self) -> None:
         if self.engine is not None:  # validate on up-to-date device weights
             self.engine.synchronize()
+
+    # -- per-step logging ----------------------------------------------------------------------
+
+    @override
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_step()
+        return output
+
+    def _log_step(self) -> None:
+        """The grad norm and the newest finished step profile, after a step that happened."""
+        engine, module = self.engine, self.lightning_module
+        # Lightning runs the step in its optimizer_step hook, or in training_step when manual
+        if engine is None or engine.last_step_skipped or module is None or (
+            module._current_fx_name not in ("optimizer_step", "training_step")
+        ):
+            return
+        metrics = {}
+        if engine.last_grad_norm is not None:
+            metrics["zero_offload/grad_norm"] = engine.last_grad_norm
+        prof = engine.finished_profile()  # never waits for the device
+        if prof is not None and prof.step > self._logged_profile and prof.cpu_step > 0:
+            self._logged_profile = prof.step
+            metrics.update({f"zero_offload/{k}_ms": 1e3 * getattr(prof, k) for k in FIELDS})
+        if metrics:  # host tensors: a Python float would be copied to the device, synchronously
+            module.log_dict(
+                {k: torch.tensor(v) for k, v in metrics.items()}, on_step=True, on_epoch=False,
+                prog_bar=False, logger=bool(module.trainer.loggers),
+            )
 
     # -- backward sync for accumulation --------------------------------------------------------
 
@@ -256,9 +293,9 @@ class ZeroOffloadStrategy(DDPStrategy):
             return super().lightning_module_state_dict()
         if self.sharded_checkpoint:
             return {}  # every rank writes its partition in save_checkpoint
-        full = self.engine.full_state_dict()  # collective: every rank takes part
-        self._pending_optimizer_state = ckpt.optimizer_entry(full)
-        return full["model"]
+        # collective: every rank takes part; the weights only (a weights-only checkpoint never
+        # asks for the optimizer state, which optimizer_state gathers)
+        return self.engine.full_state_dict(optimizer=False)["model"]
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -266,14 +303,12 @@ class ZeroOffloadStrategy(DDPStrategy):
             return super().optimizer_state(optimizer)
         if self.sharded_checkpoint:
             return {}
-        state, self._pending_optimizer_state = self._pending_optimizer_state, None
-        return state if state is not None else ckpt.optimizer_entry(self.engine.full_state_dict())
+        return ckpt.optimizer_entry(self.engine.full_state_dict(model=False))  # collective
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        self._pending_optimizer_state = None
         if self.engine is not None and self.sharded_checkpoint:
             ckpt.save_sharded(self.engine, checkpoint, filepath, self.is_global_zero)
             self.barrier("zero_offload_save")
