@@ -248,7 +248,7 @@ def test_resume_is_bit_exact(tmp_path):
 def test_checkpoint_is_plain_fp32_and_loads_without_strategy(tmp_path):
     ckpt_cb = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
     weights_cb = ModelCheckpoint(dirpath=tmp_path, filename="weights-{step}", save_top_k=-1,
-                                 every_n_train_steps=2, save_weights_only=True)
+                                 every_n_train_steps=3, save_weights_only=True)
     model, _ = fit(
         Net,
         "zero_offload",
