@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from lightning.fabric import Fabric, seed_everything
@@ -15,16 +13,7 @@ from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy
 ACCUMULATE = 2
 
 
-@pytest.fixture(autouse=True)
-def _isolated_process_group():
-    """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
-    (by design, so fit can run again); later multi-process tests need neither."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("isolated_process_group")
 
 
 def batches(n: int = 16):

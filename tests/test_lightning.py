@@ -25,16 +25,7 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*The number of training batches.*")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_process_group():
-    """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
-    (by design, so fit can run again); later multi-process tests need neither."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("isolated_process_group")
 
 
 def data(n: int = 32, seed: int = 1) -> TensorDataset:

@@ -1,0 +1,18 @@
+"""Fixtures shared by several test modules."""
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def isolated_process_group():
+    """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
+    (by design, so fit can run again); later multi-process tests need neither."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
