@@ -141,6 +141,7 @@ def test_device_span_measures_device_time() -> None:
     rec = ProfileRecorder()
     stream = torch.cuda.Stream()
     a = torch.randn(4096, 4096, device="cuda")
+    stream.wait_stream(torch.cuda.current_stream())  # `a` is written on the default stream
     with torch.cuda.stream(stream), rec.device_span("weight_copy", 1, stream):
         for _ in range(5):
             a = a @ a.T / 64.0
