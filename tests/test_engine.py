@@ -273,6 +273,32 @@ def test_tied_frozen_and_unused_parameters():
     assert torch.equal(full["model"]["head.weight"], full["model"]["emb.weight"])
 
 
+def test_frozen_parameters_keep_their_exact_values_in_half_precision(tmp_path):
+    torch.manual_seed(0)
+    model = Tied()
+    frozen = {k: v.detach().clone() for k, v in model.frozen.named_parameters()}
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in frozen.values())  # would round
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                         precision="bf16-mixed")
+    assert engine.module.frozen.weight.dtype == torch.bfloat16  # forward runs in bf16
+    engine.backward(engine.module(torch.randint(0, 10, (4, 3))).float().square().mean())
+    engine.step()
+    full = engine.full_state_dict()["model"]
+    for k, v in frozen.items():
+        assert torch.equal(full[f"frozen.{k}"], v)
+    engine.save_checkpoint(tmp_path / "ckpt")
+    other_model = Tied()
+    other = ZeroOffload(other_model, torch.optim.AdamW(other_model.parameters(), lr=0.05),
+                        precision="bf16-mixed")
+    other.load_checkpoint(tmp_path / "ckpt")
+    other.teardown()
+    for k, v in frozen.items():
+        assert torch.equal(getattr(other_model.frozen, k), v)
+    engine.teardown()
+    for k, v in frozen.items():
+        assert torch.equal(getattr(model.frozen, k), v)
+
+
 def test_bad_inputs_raise_clear_errors():
     model = make()
     with pytest.raises(TypeError, match="AdamW and torch.optim.Adam"):

@@ -97,6 +97,12 @@ class ZeroOffload:
         if delayed:  # second gradient buffers; on the CPU also the spare weights
             self.host_bytes += (4 * shard + sum(layout.group_numel) * elem if cpu_device
                                 else elem * shard)
+        # Frozen parameters are cast to the compute dtype for forward like everything else; their
+        # exact values stay on the host, so checkpoints and teardown never round them.
+        trained_ids = {id(s.param) for s in layout.slots}
+        frozen = [p for p in module.parameters() if id(p) not in trained_ids
+                  and p.is_floating_point() and p.dtype != self.compute_dtype]
+        self.host_bytes += sum(p.numel() * p.element_size() for p in frozen)
         if config.check_host_memory:
             check_host_memory(self.host_bytes, self.rank)
 
@@ -117,6 +123,7 @@ class ZeroOffload:
                 )
         # Device weights: one flat buffer per group; parameters become views of it.
         self._orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
+        self._frozen = {id(p): p.detach().to("cpu", copy=True) for p in frozen}
         self._weights = [
             torch.zeros(k, dtype=self.compute_dtype, device=self.device)
             for k in layout.group_numel
@@ -529,6 +536,19 @@ class ZeroOffload:
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
+    def _untrained_state(self) -> dict[str, Tensor]:
+        """Buffers and frozen parameters, on the host; frozen ones exact (see ``_frozen``)."""
+        trained = {id(s.param) for s in self.layout.slots}
+        return {name: self._frozen[id(t)].clone() if id(t) in self._frozen else _host_copy(t)
+                for name, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) not in trained}
+
+    def _remember_frozen(self, state: dict[str, Tensor]) -> None:
+        """After a load into the module: keep the exact values of its frozen parameters."""
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in self._frozen and name in state:
+                self._frozen[id(t)].copy_(state[name])
+
     def full_state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict:
         """Collective. ``{"model": fp32 module state_dict, "optimizer": torch AdamW format}``,
         loadable into a plain model and ``torch.optim.AdamW``, or an engine of any world size.
@@ -543,8 +563,9 @@ class ZeroOffload:
         full: dict[str, Any] = {"format": ckpt.FULL_FORMAT}
         if model:  # keyed like module.state_dict(): buffers and untrained tensors too
             trained = {id(s.param): s.name for s in self.layout.slots}
+            untrained = self._untrained_state()
             full["model"] = {
-                name: out["model"][trained[id(t)]] if id(t) in trained else _host_copy(t)
+                name: out["model"][trained[id(t)]] if id(t) in trained else untrained[name]
                 for name, t in self.module.state_dict(keep_vars=True).items()
             }
         if optimizer:
@@ -560,6 +581,7 @@ class ZeroOffload:
         self.synchronize()
         with torch.no_grad():
             self.module.load_state_dict(model, strict=True)
+            self._remember_frozen(model)
             states = opt["state"] if opt else {}
             for g in range(len(self._groups)):
                 steps = [int(states[s.index]["step"]) for s in self.layout.slots
@@ -596,10 +618,7 @@ class ZeroOffload:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self._barrier()
-        trained = {id(s.param) for s in self.layout.slots}
-        extra = {k: v.detach().cpu() for k, v in self.module.state_dict(keep_vars=True).items()
-                 if id(v) not in trained}
-        ckpt.atomic_save({**self.state_dict(), "module_extra": extra},
+        ckpt.atomic_save({**self.state_dict(), "module_extra": self._untrained_state()},
                          tmp / ckpt.shard_name(self.rank, self.world_size))
         self._barrier()
         if self.rank == 0:
@@ -614,6 +633,7 @@ class ZeroOffload:
             if mine.is_file():
                 shard = ckpt.safe_load(mine)
                 self.module.load_state_dict(shard["module_extra"], strict=False)
+                self._remember_frozen(shard["module_extra"])
                 self.load_state_dict(shard)
                 return
             shards = ckpt.read_shard_dir(path)
@@ -654,7 +674,9 @@ class ZeroOffload:
                     )
                 trained = {id(s.param) for s in self.layout.slots}
                 for t in [*self.module.parameters(), *self.module.buffers()]:
-                    if id(t) not in trained and id(t) in self._orig_dtypes:
+                    if id(t) in self._frozen:
+                        t.data = self._frozen[id(t)].to(self.device)
+                    elif id(t) not in trained and id(t) in self._orig_dtypes:
                         t.data = t.data.to(self._orig_dtypes[id(t)])
         self._master = self._exp_avg = self._exp_avg_sq = self._grads = []
         self._out = []
