@@ -299,6 +299,26 @@ def test_frozen_parameters_keep_their_exact_values_in_half_precision(tmp_path):
         assert torch.equal(getattr(model.frozen, k), v)
 
 
+def test_module_zero_grad_clears_the_engines_gradients():
+    """Loops that zero through the model (the transformers Trainer) must not accumulate."""
+    model = make()
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                         precision="32-true")
+    ref_model = make()
+    ref = ZeroOffload(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=0.05),
+                      precision="32-true")
+    (x1, y1), (x2, y2) = batches(2)
+    engine.backward(lm_loss(engine.module(x1), y1))
+    engine.module.zero_grad()  # discards the first batch's gradients
+    engine.backward(lm_loss(engine.module(x2), y2))
+    engine.step()
+    ref.backward(lm_loss(ref.module(x2), y2))
+    ref.step()
+    assert rel_err(ref.module, engine.module) == 0.0
+    engine.teardown()
+    assert "zero_grad" not in model.__dict__
+
+
 def test_bad_inputs_raise_clear_errors():
     model = make()
     with pytest.raises(TypeError, match="AdamW and torch.optim.Adam"):

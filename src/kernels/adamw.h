@@ -72,6 +72,26 @@ void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
 #endif
 
+// Runs the instantiation of an ISA's loop that fits the run-time dtypes. `Loop<G, O>::run` is
+// each ISA file's own (in its anonymous namespace, so every file gets its own dispatcher).
+template <template <Dtype, Dtype> class Loop, Dtype G>
+inline void dispatch_out(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.out_dtype) {
+    case kBF16: return Loop<G, kBF16>::run(a, begin, end);
+    case kF16: return Loop<G, kF16>::run(a, begin, end);
+    default: return Loop<G, kNone>::run(a, begin, end);
+  }
+}
+
+template <template <Dtype, Dtype> class Loop>
+inline void dispatch_dtypes(const AdamArgs& a, int64_t begin, int64_t end) {
+  switch (a.grad_dtype) {
+    case kBF16: return dispatch_out<Loop, kBF16>(a, begin, end);
+    case kF16: return dispatch_out<Loop, kF16>(a, begin, end);
+    default: return dispatch_out<Loop, kF32>(a, begin, end);
+  }
+}
+
 inline uint32_t f32_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

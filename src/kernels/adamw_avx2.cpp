@@ -45,7 +45,7 @@ LZO_TARGET inline void store_out(void* out, int64_t i, __m256 x) {
 }
 
 template <Dtype G, Dtype O>
-LZO_TARGET void run(const AdamArgs& a, int64_t begin, int64_t end) {
+LZO_TARGET void update(const AdamArgs& a, int64_t begin, int64_t end) {
   const AdamConsts& c = a.c;
   const __m256 gs = _mm256_set1_ps(c.grad_scale), decay = _mm256_set1_ps(c.decay);
   const __m256 wd = _mm256_set1_ps(c.wd), lw = _mm256_set1_ps(c.lerp_small ? c.lerp_w : c.lerp_w1);
@@ -75,23 +75,15 @@ LZO_TARGET void run(const AdamArgs& a, int64_t begin, int64_t end) {
   if (i < end) adamw_scalar(a, i, end);
 }
 
-template <Dtype G>
-void run_out(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.out_dtype) {
-    case kBF16: return run<G, kBF16>(a, begin, end);
-    case kF16: return run<G, kF16>(a, begin, end);
-    default: return run<G, kNone>(a, begin, end);
-  }
-}
+template <Dtype G, Dtype O>
+struct Loop {
+  static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
+};
 
 }  // namespace
 
 void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.grad_dtype) {
-    case kBF16: return run_out<kBF16>(a, begin, end);
-    case kF16: return run_out<kF16>(a, begin, end);
-    default: return run_out<kF32>(a, begin, end);
-  }
+  dispatch_dtypes<Loop>(a, begin, end);
 }
 
 LZO_TARGET void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end) {

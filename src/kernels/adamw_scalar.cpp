@@ -14,7 +14,7 @@ inline float load_grad(const void* g, int64_t i) {
 }
 
 template <Dtype G, Dtype O>
-void run(const AdamArgs& a, int64_t begin, int64_t end) {
+void update(const AdamArgs& a, int64_t begin, int64_t end) {
   const AdamConsts c = a.c;
   for (int64_t i = begin; i < end; ++i) {
     adam_elem(c, load_grad<G>(a.grad, i), a.param[i], a.exp_avg[i], a.exp_avg_sq[i]);
@@ -23,23 +23,15 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-template <Dtype G>
-void run_out(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.out_dtype) {
-    case kBF16: return run<G, kBF16>(a, begin, end);
-    case kF16: return run<G, kF16>(a, begin, end);
-    default: return run<G, kNone>(a, begin, end);
-  }
-}
+template <Dtype G, Dtype O>
+struct Loop {
+  static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
+};
 
 }  // namespace
 
 void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
-  switch (a.grad_dtype) {
-    case kBF16: return run_out<kBF16>(a, begin, end);
-    case kF16: return run_out<kF16>(a, begin, end);
-    default: return run_out<kF32>(a, begin, end);
-  }
+  dispatch_dtypes<Loop>(a, begin, end);
 }
 
 void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end) {

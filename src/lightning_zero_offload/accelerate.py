@@ -371,27 +371,12 @@ def _check_supported(accelerator: Accelerator, model: Any, optimizer: Any) -> No
         raise ValueError("ZeRO-Offload places the model itself; load it without device_map")
 
 
-def _route_zero_grad(engine: ZeroOffload) -> None:
-    """Make ``model.zero_grad()`` clear the engine's gradients too: they live in its host
-    buffers, not in ``param.grad``, and the transformers Trainer (like many loops) zeroes
-    gradients through the model, not the optimizer."""
-    module = engine.module
-
-    def zero_grad(set_to_none: bool = True) -> None:
-        if not getattr(engine, "_closed", False):
-            engine.zero_grad()
-        nn.Module.zero_grad(module, set_to_none)
-
-    module.zero_grad = zero_grad
-
-
 def _route_accelerator(
     accelerator: Accelerator, engine: ZeroOffload, wrapped: ZeroOffloadAcceleratedOptimizer
 ) -> None:
     """Point this accelerator's gradient and checkpoint methods at the engine (instance
     attributes, so other accelerators are untouched)."""
     managed = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    _route_zero_grad(engine)
     plain_clip = accelerator.clip_grad_norm_
     plain_clip_value = accelerator.clip_grad_value_
     plain_get_state_dict = accelerator.get_state_dict

@@ -99,8 +99,8 @@ class ZeroOffload:
                                 else elem * shard)
         # Frozen parameters are cast to the compute dtype for forward like everything else; their
         # exact values stay on the host, so checkpoints and teardown never round them.
-        trained_ids = {id(s.param) for s in layout.slots}
-        frozen = [p for p in module.parameters() if id(p) not in trained_ids
+        self._trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
+        frozen = [p for p in module.parameters() if id(p) not in self._trained
                   and p.is_floating_point() and p.dtype != self.compute_dtype]
         self.host_bytes += sum(p.numel() * p.element_size() for p in frozen)
         if config.check_host_memory:
@@ -149,6 +149,9 @@ class ZeroOffload:
         self._streamer = GradStreamer(layout, self._grads, self.compute_dtype, self.device,
                                       self.rank, process_group, pin)
         self._input_hook = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        # Many loops (the transformers Trainer among them) zero gradients through the model; ours
+        # live in the engine's buffers, not in `param.grad`, so the model's zero_grad clears them.
+        module.zero_grad = self._zero_grad_with_module
         self._scaler = (DynamicLossScaler(config.initial_loss_scale,
                                           config.loss_scale_growth_interval)
                         if config.precision == "16-mixed" else None)
@@ -429,6 +432,10 @@ class ZeroOffload:
         self._check_open()
         self._streamer.reset()
 
+    def _zero_grad_with_module(self, set_to_none: bool = True) -> None:
+        self.zero_grad()
+        nn.Module.zero_grad(self.module, set_to_none)
+
     def synchronize(self) -> None:
         """Wait for pending transfers and updates: a delayed update is applied now (so
         checkpoints, validation and the end of training see every step)."""
@@ -538,10 +545,9 @@ class ZeroOffload:
 
     def _untrained_state(self) -> dict[str, Tensor]:
         """Buffers and frozen parameters, on the host; frozen ones exact (see ``_frozen``)."""
-        trained = {id(s.param) for s in self.layout.slots}
         return {name: self._frozen[id(t)].clone() if id(t) in self._frozen else _host_copy(t)
                 for name, t in self.module.state_dict(keep_vars=True).items()
-                if id(t) not in trained}
+                if id(t) not in self._trained}
 
     def _remember_frozen(self, state: dict[str, Tensor]) -> None:
         """After a load into the module: keep the exact values of its frozen parameters."""
@@ -562,10 +568,10 @@ class ZeroOffload:
         out = ckpt.assemble(self.layout.describe(), flats, list(self._steps), hparams)
         full: dict[str, Any] = {"format": ckpt.FULL_FORMAT}
         if model:  # keyed like module.state_dict(): buffers and untrained tensors too
-            trained = {id(s.param): s.name for s in self.layout.slots}
             untrained = self._untrained_state()
             full["model"] = {
-                name: out["model"][trained[id(t)]] if id(t) in trained else untrained[name]
+                name: out["model"][self._trained[id(t)]] if id(t) in self._trained
+                else untrained[name]
                 for name, t in self.module.state_dict(keep_vars=True).items()
             }
         if optimizer:
@@ -638,9 +644,8 @@ class ZeroOffload:
                 return
             shards = ckpt.read_shard_dir(path)
             full = ckpt.consolidate(shards)
-            trained = {id(s.param): s.name for s in self.layout.slots}
             names = self.module.state_dict(keep_vars=True)
-            model = {k: full["model"][trained[id(v)]] if id(v) in trained else
+            model = {k: full["model"][self._trained[id(v)]] if id(v) in self._trained else
                      shards[0]["module_extra"].get(k) for k, v in names.items()}
             self.load_full_state_dict({**full, "model": model, "scaler": shards[0]["scaler"]})
             return
@@ -664,6 +669,7 @@ class ZeroOffload:
             self._worker.close()
         self._streamer.remove()
         self._input_hook.remove()
+        self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         if copy_weights_to_module:
             full = self._gather_full(self._master)
             with torch.no_grad():
@@ -672,11 +678,10 @@ class ZeroOffload:
                     slot.param.data = flat.view(slot.shape).to(
                         self.device, self._orig_dtypes[id(slot.param)], copy=True
                     )
-                trained = {id(s.param) for s in self.layout.slots}
                 for t in [*self.module.parameters(), *self.module.buffers()]:
                     if id(t) in self._frozen:
                         t.data = self._frozen[id(t)].to(self.device)
-                    elif id(t) not in trained and id(t) in self._orig_dtypes:
+                    elif id(t) not in self._trained and id(t) in self._orig_dtypes:
                         t.data = t.data.to(self._orig_dtypes[id(t)])
         self._master = self._exp_avg = self._exp_avg_sq = self._grads = []
         self._out = []
