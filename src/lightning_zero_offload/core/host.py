@@ -8,8 +8,8 @@ gradient and staging) receives the next backward while the step reads the first.
 
 :func:`plan` sizes exactly what :class:`HostBuffers` can ever allocate, pinned rounding included:
 torch's pinned allocator rounds every block up to a power of two, so staging and output slices
-are packed into a few power-of-two blocks (nothing is lost to rounding but the tail of the last
-one), and the one pinned whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
+are packed into a few power-of-two blocks (a few percent lost at most), and the one pinned
+whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
 of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only once
 a step accumulates several flushes of a bucket; it is budgeted anyway and allocated by
 :meth:`HostBuffers.need_fp32_grads`, called before a backward that accumulates, never in a hook.
@@ -37,19 +37,29 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def _arena_blocks(slices: list[int]) -> tuple[int, list[tuple[int, int]]]:
-    """Pack slices (bytes) into equal power-of-two blocks: (block bytes, [(block, offset)])."""
-    if not slices:
-        return 0, []
+def _arena_blocks(slices: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Pack slices (bytes) in order into power-of-two blocks: (block sizes, [(block, offset)]).
+    Full blocks of ``_MAX_BLOCK``; the rest in one rounded block when that wastes little, else
+    in halving blocks, so what is reserved stays within a few percent of what is used."""
     padded = [_round_up(s, _SLICE_ALIGN) for s in slices]
-    block = pinned_size(max(max(padded), min(sum(padded), _MAX_BLOCK)))
-    places, b, off = [], 0, 0
-    for s in padded:
-        if off + s > block:
-            b, off = b + 1, 0
-        places.append((b, off))
-        off += s
-    return block, places
+    blocks: list[int] = []
+    places: list[tuple[int, int]] = []
+    i = 0
+    while i < len(padded):
+        rest, big = sum(padded[i:]), pinned_size(max(padded[i:]))
+        if rest >= _MAX_BLOCK:
+            size = max(_MAX_BLOCK, big)
+        elif pinned_size(rest) <= rest * 1.03:
+            size = pinned_size(rest)
+        else:
+            size = max(big, 1 << (rest.bit_length() - 1))  # the largest power of two <= rest
+        off = 0
+        while i < len(padded) and off + padded[i] <= size:
+            places.append((len(blocks), off))
+            off += padded[i]
+            i += 1
+        blocks.append(size)
+    return blocks, places
 
 
 @dataclass
@@ -85,8 +95,20 @@ def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: boo
 def _arena_bytes(slices: list[int], pinned: bool) -> int:
     if not pinned:
         return sum(_round_up(s, _SLICE_ALIGN) for s in slices)
-    block, places = _arena_blocks(slices)
-    return block * (places[-1][0] + 1) if places else 0
+    return sum(_arena_blocks(slices)[0])
+
+
+def budget(sizes: Sizes, layout: Layout, dtype: torch.dtype, *, cpu: bool, delayed: bool,
+           frozen_bytes: int, buckets_in_flight: int) -> int:
+    """All host bytes of an engine: its buffers, the exact copies of frozen parameters and, with
+    the CPU as compute device, the "device" weights (twice with delayed update) and the bucket
+    buffers in flight."""
+    total = sizes.total + frozen_bytes
+    if cpu:
+        elem = torch.empty((), dtype=dtype).element_size()
+        total += sum(layout.group_numel) * elem * (2 if delayed else 1)
+        total += buckets_in_flight * max((b.numel for b in layout.buckets), default=0) * elem
+    return total
 
 
 class _Arena:
@@ -96,10 +118,8 @@ class _Arena:
         elem = torch.empty((), dtype=dtype).element_size()
         sizes = [k * elem for k in numels]
         if pinned:
-            block, places = _arena_blocks(sizes)
-            nblocks = places[-1][0] + 1 if places else 0
-            self.blocks = [torch.empty(block, dtype=torch.uint8, pin_memory=True)
-                           for _ in range(nblocks)]
+            blocks, places = _arena_blocks(sizes)
+            self.blocks = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in blocks]
         else:
             offs, off = [], 0
             for s in sizes:
