@@ -30,7 +30,7 @@ from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT, GradStreamer
-from lightning_zero_offload.core.weights import DeviceWeights, frozen_bytes
+from lightning_zero_offload.core.weights import DeviceWeights, frozen_bytes, untrained_bytes
 
 
 class ZeroOffload:
@@ -69,9 +69,11 @@ class ZeroOffload:
         self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
                                         delayed=delayed, pinned=pinned, out_direct=out_direct)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        self.host_bytes = budget(host.sizes, layout, dtype, cpu=self.device.type == "cpu",
-                                 delayed=delayed, buckets_in_flight=MAX_IN_FLIGHT + 1,
-                                 frozen_bytes=frozen_bytes(module, trained, dtype))
+        sizes = budget(host.sizes, layout, dtype, cpu=self.device.type == "cpu", delayed=delayed,
+                       frozen_bytes=frozen_bytes(module, trained, dtype),
+                       untrained_bytes=untrained_bytes(module, trained, dtype),
+                       buckets_in_flight=MAX_IN_FLIGHT + 1)
+        self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
         if config.check_host_memory:
             check_host_memory(self.host_bytes, self.rank)
         with torch.no_grad():  # the master weights, from the user's weights before casting

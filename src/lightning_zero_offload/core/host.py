@@ -99,16 +99,18 @@ def _arena_bytes(slices: list[int], pinned: bool) -> int:
 
 
 def budget(sizes: Sizes, layout: Layout, dtype: torch.dtype, *, cpu: bool, delayed: bool,
-           frozen_bytes: int, buckets_in_flight: int) -> int:
+           frozen_bytes: int, untrained_bytes: int, buckets_in_flight: int) -> Sizes:
     """All host bytes of an engine: its buffers, the exact copies of frozen parameters and, with
-    the CPU as compute device, the "device" weights (twice with delayed update) and the bucket
-    buffers in flight."""
-    total = sizes.total + frozen_bytes
+    the CPU as compute device, what lives on that "device": the weights (twice with delayed
+    update), the module's other tensors in the compute dtype and the bucket buffers in flight."""
+    parts = {**sizes.parts, "frozen_exact": frozen_bytes}
     if cpu:
         elem = torch.empty((), dtype=dtype).element_size()
-        total += sum(layout.group_numel) * elem * (2 if delayed else 1)
-        total += buckets_in_flight * max((b.numel for b in layout.buckets), default=0) * elem
-    return total
+        parts["device_weights"] = sum(layout.group_numel) * elem * (2 if delayed else 1)
+        parts["device_untrained"] = untrained_bytes
+        parts["buckets_in_flight"] = buckets_in_flight * max(
+            (b.numel for b in layout.buckets), default=0) * elem
+    return Sizes(parts)
 
 
 class _Arena:

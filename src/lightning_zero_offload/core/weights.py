@@ -33,6 +33,13 @@ def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype)
     return sum(p.numel() * p.element_size() for p in _frozen(module, trained, dtype))
 
 
+def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
+    """Bytes of the module's other tensors once floats are cast to the compute dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
+               for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)
+
+
 def _frozen(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> list[Tensor]:
     return [p for p in module.parameters() if id(p) not in trained
             and p.is_floating_point() and p.dtype != dtype]
