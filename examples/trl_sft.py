@@ -167,7 +167,7 @@ class SFTRecipe:
         result = self.trainer.train()
         losses = [h["loss"] for h in self.trainer.state.log_history if "loss" in h]
         print(f"trained {result.global_step} steps, final loss {losses[-1] if losses else 'n/a'}")
-        engine = self.trainer._zero_offload_engine()
+        engine = getattr(self.trainer.optimizer, "engine", None)  # None without ZeRO-Offload
         if engine is not None:
             print(format_summary(engine.profile))
         self.save(self.cfg.output_dir)

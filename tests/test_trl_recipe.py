@@ -75,7 +75,7 @@ def test_trl_recipe_adapter_reproduces_trained_logits(tmp_path, monkeypatch):
                                            "--log-every", "1", "--output-dir", str(tmp_path)]))
     recipe.setup()
     losses = recipe.train()
-    engine = recipe.trainer._zero_offload_engine()
+    engine = recipe.trainer.optimizer.engine
     assert engine is not None and len(losses) == 5
     probe = recipe.tokenizer(["def train(model):", "ZeRO-Offload keeps Adam on the host"],
                              return_tensors="pt", padding=True)
