@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -34,3 +35,23 @@ def test_adapter_import_without_its_extra(module, blocked, monkeypatch):
     monkeypatch.setitem(sys.modules, blocked, None)  # import blocked -> ImportError
     with pytest.raises(ImportError, match=rf"pip install 'lightning-zero-offload\[{module}\]'"):
         importlib.import_module(name)
+
+
+def test_tasks_passes_lzo_torch_options_to_pip_as_separate_arguments(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("tasks", SRC.parents[1] / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    calls = []
+    fake = tmp_path / "venv" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.touch()
+    monkeypatch.setattr(tasks, "VENV", tmp_path / "venv")
+    monkeypatch.setattr(tasks, "_run", lambda *cmd: calls.append([str(c) for c in cmd]))
+    monkeypatch.setattr(tasks, "TORCH", "torch==2.13.0 --index-url https://example.invalid/cpu")
+    tasks.ensure_venv()
+    torch_call = next(c for c in calls if "torch==2.13.0" in c)
+    assert torch_call[-3:] == ["torch==2.13.0", "--index-url", "https://example.invalid/cpu"]
+    assert any(c[-2:] == ["-e", ".[all,dev]"] for c in calls)
+    monkeypatch.setattr(tasks, "TORCH", "  ")
+    with pytest.raises(SystemExit, match="LZO_TORCH is empty"):
+        tasks.torch_args()
