@@ -62,9 +62,12 @@ def _place_model_on_device(self: Any) -> bool | None:
     return False if _enabled(self) else parent
 
 
-def with_zero_offload(args_cls: type, name: str | None = None) -> type:
+def with_zero_offload(args_cls: type, name: str | None = None, *,
+                      module: str | None = None) -> type:
     """A dataclass subclass of ``args_cls`` (``TrainingArguments`` or a subclass such as TRL's
-    ``SFTConfig``) with the ``zero_offload`` and ``zero_offload_config`` fields."""
+    ``SFTConfig``) with the ``zero_offload`` and ``zero_offload_config`` fields, named ``name``
+    (default ``ZeroOffload<ArgsClass>``). It is registered here for pickle unless ``module``
+    names the module that will hold it under ``name`` (the caller then assigns it there)."""
     from transformers import TrainingArguments
 
     if not (isinstance(args_cls, type) and issubclass(args_cls, TrainingArguments)):
@@ -90,9 +93,10 @@ def with_zero_offload(args_cls: type, name: str | None = None) -> type:
                             "(``zero_offload``, ``zero_offload_config``; also as flags)."}
     cls = dataclasses.make_dataclass(name, fields, bases=(args_cls,), namespace=namespace)
     cls.__zero_offload_class__ = cls
-    cls.__module__ = __name__
+    cls.__module__ = module or __name__
     _cache[args_cls] = cls
-    globals().setdefault(name, cls)  # pickle finds it by module and name
+    if module is None:
+        globals().setdefault(name, cls)  # pickle finds it by module and name
     return cls
 
 
