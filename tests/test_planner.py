@@ -33,7 +33,8 @@ keep = [p.data for p in model.parameters()]
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 proc = psutil.Process()
 before = proc.memory_info().rss
-engine = zo.ZeroOffload(model, opt, precision=precision, device="cpu", delayed_update=delayed)
+engine = zo.ZeroOffload(model, opt, precision=precision, device="cpu", delayed_update=delayed,
+                        bucket_size_mb=1)
 growth = proc.memory_info().rss - before
 print(json.dumps({"params": sum(p.numel() for p in keep), "growth": growth,
                   "host_bytes": engine.host_bytes}))
@@ -50,10 +51,13 @@ def test_planned_host_bytes_match_rss_growth(numel, precision, delayed):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # 1 MB buckets: the one bucket buffer the budget holds (allocated only by a later backward)
+    # stays under 1% of the total
     p = plan(got["params"], precision=precision, device="cpu", delayed_update=delayed,
-             measure=False)
+             bucket_size_mb=1, measure=False)
     assert abs(p.host_bytes_per_rank - got["growth"]) <= 0.05 * got["growth"], (p, got)
-    assert abs(p.host_bytes_per_rank - got["host_bytes"]) <= 1e-3 * got["host_bytes"], (p, got)
+    # the engine's buckets are at least one parameter (1M elements here), the planner's 1 MB
+    assert abs(p.host_bytes_per_rank - got["host_bytes"]) <= 0.01 * got["host_bytes"], (p, got)
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true", "16-mixed"])
@@ -74,10 +78,10 @@ def test_planned_host_bytes_match_engine_count(precision, delayed):
 
 
 def test_fit_and_largest_model_are_consistent():
-    kw = dict(precision="bf16-mixed", device_memory="24GiB", host_memory="128GiB", measure=False)
+    kw = dict(precision="bf16-mixed", device_memory="24GiB", host_memory="160GiB", measure=False)
     p = plan(7e9, **kw)
     assert p.fits and p.device_fits and p.host_fits
-    assert p.device_bytes <= parse_bytes("24GiB") and p.host_bytes_per_node <= 128 * 2**30
+    assert p.device_bytes <= parse_bytes("24GiB") and p.host_bytes_per_node <= 160 * 2**30
     big = p.max_params_that_fit
     assert plan(big, **kw).fits and not plan(int(big * 1.01), **kw).fits
     assert not plan(int(big * 1.01), **kw).fits
@@ -85,9 +89,9 @@ def test_fit_and_largest_model_are_consistent():
     two = plan(7e9, world_size=2, ranks_per_node=1, **kw)
     assert two.host_bytes_per_rank < 0.6 * p.host_bytes_per_rank
     assert two.device_bytes == p.device_bytes
-    # pinned buffers are rounded to powers of two on CUDA
-    pinned = p.host_breakdown["gradient staging (pinned)"]
-    assert pinned == 2 ** (2 * 7 * 10**9 - 1).bit_length() and pinned > 2 * 7e9
+    # pinned staging and output are packed into power-of-two blocks: a few percent, not 2x
+    pinned, used = p.host_breakdown["staging"], 2 * (2 * 7 * 10**9)
+    assert used <= pinned <= 1.03 * used
     # activations only with a shape; LoRA-style frozen weights cost device bytes, not host state
     lora = plan(7e9, frozen_params=6.9e9, **kw)
     assert lora.device_bytes > 0.99 * p.device_bytes
@@ -101,7 +105,9 @@ def test_cli_json(capsys):
     for key in ("device_bytes", "host_bytes_per_rank", "fits", "max_params_that_fit"):
         assert key in out
     ref = plan(7e9, device_memory="24GiB", host_memory="128GiB", measure=False)
-    assert out["host_bytes_per_rank"] == ref.host_bytes_per_rank and out["fits"] is True
+    # 20 bytes per parameter on the host (with the fp32 gradient of accumulation): 130 GiB
+    assert out["host_bytes_per_rank"] == ref.host_bytes_per_rank and out["fits"] is False
+    assert 6e9 < out["max_params_that_fit"] < 7e9
     assert out["cpu_step_seconds"] == pytest.approx(7e9 / out["kernel_params_per_second"])
     with pytest.raises(SystemExit):
         main(["--params", "7e9", "--device-memory", "24 GiBs"])

@@ -5,35 +5,34 @@
 whether it fits, the largest model that would, and predicts the CPU step's time from a 0.2 s
 measurement of the fused AdamW kernel on this host.
 
-The formulas follow the engine (``core/engine.py`` ``ZeroOffload.__init__`` and
-``core/streaming.py``). ``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
+``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
 ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
 ``bf16-mixed``/``16-mixed``, 4 for ``32-true``):
 
-host, per rank, CUDA compute device
-    fp32 master weights, exp_avg, exp_avg_sq: ``12 S``; the half-precision gradient staging
-    buffer (pinned): ``h S``; with half precision the weight output buffer (pinned): ``h S``
-    (in fp32 the master itself is pinned and copied up); with delayed update a second staging
-    buffer: ``h S``; the exact copies of frozen floating parameters: ``4 F``. Pinned buffers come
-    from CUDA's caching host allocator, which rounds each one up to a power of two: that rounding
-    is counted. The fp32 gradient ``4 S`` exists only while gradients accumulate over several
-    synchronizing backward passes (``host_bytes_accumulating`` includes it).
-host, CPU compute device (the "device" is the host)
-    ``16 S`` (master, moments, fp32 gradient), the flat weights the module views ``h P`` (and
-    ``h F`` for the frozen ones cast to the compute dtype, plus their exact ``4 F`` in half
-    precision), with ``W > 1`` and half precision an output buffer ``h S``; delayed update adds
-    a spare gradient ``4 S`` and spare weights ``h P``.
+host, per rank
+    exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
+    functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
+    master weights, ``exp_avg`` and ``exp_avg_sq`` ``12 S``; the fp32 gradient ``4 S`` (on a
+    GPU it is allocated only when gradients accumulate, but it is budgeted); on a GPU the
+    gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
+    into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
+    two; the fp32 master, pinned in ``32-true``, is rounded whole); with delayed update a second
+    fp32 gradient and staging; the exact copies of frozen parameters ``4 F`` in half precision.
+    With the CPU as compute device the "device" is the host: add the flat weights ``h P`` (twice
+    with delayed update), the frozen ones in the compute dtype ``h F`` and one bucket buffer
+    (two with several ranks).
 device (CUDA)
     the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
-    update, two gradient buckets of ``bucket_size_mb`` (one filling while the previous one is
-    reduced and copied out) and, when ``batch_size``/``seq_len`` and a model config are given,
-    an activation estimate for a decoder-only transformer without recomputation (Korthikanti et
-    al. 2022, 16-bit: ``s b H (34 + 5 a s / H)`` bytes per layer, plus the logits ``s b V (h + 4)``;
-    fused attention kernels drop most of the ``5 a s / H`` term). Not counted: the CUDA context
+    update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
+    reduced and copied out: ``core.streaming.MAX_IN_FLIGHT``) and, when ``batch_size``/
+    ``seq_len`` and a model config are given, an activation estimate for a decoder-only
+    transformer without recomputation (Korthikanti et al. 2022, 16-bit:
+    ``s b H (34 + 5 a s / H)`` bytes per layer, plus the logits ``s b V (h + 4)``; fused
+    attention kernels drop most of the ``5 a s / H`` term). Not counted: the CUDA context
     (~0.5 GiB), allocator fragmentation, torch's workspace.
 
-Parameter alignment pads every parameter to 16 elements and every bucket to ``16 W``: under 0.1%
-for real models, not counted.
+Parameter alignment pads every parameter to 16 elements (not counted: under 0.1% for real
+models) and every bucket to ``16 W`` (counted).
 """
 
 from __future__ import annotations
@@ -191,40 +190,36 @@ class Plan:
 
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
             bucket_bytes: int, delayed: bool, activations: int) -> tuple[dict, dict, int]:
-    """(device breakdown, host breakdown, accumulation extra) for these counts."""
-    h = _ELEM[precision]
-    half = h != 4
-    shard = -(-trained // world_size)
-    host: dict[str, int] = {}
+    """(device breakdown, host breakdown, 0) for these counts. The host side is the engine's own
+    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``."""
+    from lightning_zero_offload.core.config import PRECISIONS
+    from lightning_zero_offload.core.host import budget, plan_counts
+    from lightning_zero_offload.core.layout import ALIGN
+    from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
+
+    dtype, h = PRECISIONS[precision], _ELEM[precision]
+    half, cpu = h != 4, device == "cpu"
+    bucket = max(ALIGN * world_size, bucket_bytes // h // (ALIGN * world_size) * ALIGN * world_size)
+    full, rest = divmod(trained, bucket)
+    rest = -(-rest // (ALIGN * world_size)) * ALIGN * world_size
+    buckets = [bucket] * full + ([rest] if rest else [])
+    shards = [b // world_size for b in buckets]
+    sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
+                        pinned=not cpu, out_direct=cpu and world_size == 1 and half)
+    in_flight = 1 + (world_size > 1)
+    host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
+                  delayed=delayed, frozen_bytes=4 * frozen if half else 0,
+                  untrained_bytes=h * frozen, buckets_in_flight=in_flight).parts
     dev: dict[str, int] = {}
-    if device == "cpu":
-        host["master+exp_avg+exp_avg_sq"] = 12 * shard
-        host["fp32 gradient"] = 4 * shard
-        host["weights (compute dtype)"] = h * (trained + frozen)
-        if half and world_size > 1:
-            host["weight output buffer"] = h * shard
+    if not cpu:
+        dev["weights"] = h * (trained + frozen)
         if delayed:
-            host["delayed: spare gradient+weights"] = 4 * shard + h * trained
-        if half and frozen:
-            host["frozen exact copies"] = 4 * frozen
-        return dev, host, 0
-    host["master (pinned in fp32)" if not half else "master"] = (
-        _pinned(4 * shard) if not half else 4 * shard)
-    host["exp_avg+exp_avg_sq"] = 8 * shard
-    host["gradient staging (pinned)"] = _pinned(h * shard)
-    if half:
-        host["weight output (pinned)"] = _pinned(h * shard)
-    if delayed:
-        host["delayed: spare staging (pinned)"] = _pinned(h * shard)
-    if frozen:
-        host["frozen exact copies"] = 4 * frozen
-    dev["weights"] = h * (trained + frozen)
-    if delayed:
-        dev["delayed: spare weights"] = h * trained
-    dev["gradient buckets (2)"] = 2 * min(bucket_bytes, h * trained)
-    if activations:
-        dev["activations (estimate)"] = activations
-    return dev, host, 4 * shard
+            dev["delayed: spare weights"] = h * trained
+        dev[f"gradient buckets ({MAX_IN_FLIGHT + 1})"] = (MAX_IN_FLIGHT + 1) * min(
+            bucket_bytes, h * trained)
+        if activations:
+            dev["activations (estimate)"] = activations
+    return dev, {k: v for k, v in host.items() if v}, 0
 
 
 def _activations(info: dict, batch: int | None, seq: int | None, precision: str) -> int:

@@ -76,13 +76,22 @@ class Sizes:
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
          pinned: bool, out_direct: bool) -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring)."""
-    n, elem = layout.shard_numel, torch.empty((), dtype=dtype).element_size()
+    return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
+                       asynchronous=asynchronous, delayed=delayed, pinned=pinned,
+                       out_direct=out_direct)
+
+
+def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
+                asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool) -> Sizes:
+    """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
+    this rank's elements per group and per bucket."""
+    n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     half = dtype != torch.float32
     sets = 2 if delayed else 1
     parts = {"master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad_fp32": 4 * n * sets}
     if pinned and not half:  # "32-true" on CUDA: the master is the copies' pinned source
-        parts["master"] = sum(pinned_size(4 * k) for k in layout.group_shard_numel)
-    shard_bytes = [b.shard * elem for b in layout.buckets]
+        parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
+    shard_bytes = [k * elem for k in bucket_shards]
     arena = 0
     if asynchronous:
         arena += _arena_bytes(shard_bytes, pinned) * sets  # gradient staging
@@ -98,18 +107,19 @@ def _arena_bytes(slices: list[int], pinned: bool) -> int:
     return sum(_arena_blocks(slices)[0])
 
 
-def budget(sizes: Sizes, layout: Layout, dtype: torch.dtype, *, cpu: bool, delayed: bool,
-           frozen_bytes: int, untrained_bytes: int, buckets_in_flight: int) -> Sizes:
+def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.dtype, *,
+           cpu: bool, delayed: bool, frozen_bytes: int, untrained_bytes: int,
+           buckets_in_flight: int) -> Sizes:
     """All host bytes of an engine: its buffers, the exact copies of frozen parameters and, with
-    the CPU as compute device, what lives on that "device": the weights (twice with delayed
-    update), the module's other tensors in the compute dtype and the bucket buffers in flight."""
+    the CPU as compute device, what lives on that "device": the weights (``device_numel``,
+    twice with delayed update), the module's other tensors in the compute dtype and the bucket
+    buffers in flight."""
     parts = {**sizes.parts, "frozen_exact": frozen_bytes}
     if cpu:
         elem = torch.empty((), dtype=dtype).element_size()
-        parts["device_weights"] = sum(layout.group_numel) * elem * (2 if delayed else 1)
+        parts["device_weights"] = device_numel * elem * (2 if delayed else 1)
         parts["device_untrained"] = untrained_bytes
-        parts["buckets_in_flight"] = buckets_in_flight * max(
-            (b.numel for b in layout.buckets), default=0) * elem
+        parts["buckets_in_flight"] = buckets_in_flight * max_bucket_numel * elem
     return Sizes(parts)
 
 
