@@ -13,17 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks
+from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core import state as ckpt
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.weights import DeviceWeights
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _host_copy(t: Tensor) -> Tensor:
@@ -86,7 +83,7 @@ class EngineState:
                 full[g][bucket.start : bucket.start + bucket.numel] = mine
                 continue
             out = torch.empty(bucket.numel, device=coll)
-            _all_gather(out, mine.to(coll), group=self.group)
+            collectives.all_gather(out, mine.to(coll), self.group)
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
@@ -194,4 +191,4 @@ class EngineState:
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            collectives.barrier(self.group)
