@@ -606,52 +606,85 @@ class ZeroOffload:
             self._scaler.load_state_dict(state["scaler"])
         self._push_weights(from_master=True)
 
-    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
+                        extra: dict[str, dict] | None = None) -> None:
         """Collective. ``sharded=True``: a folder with one file per rank (plus the module's
-        buffers and untrained parameters); ``False``: one consolidated file. Written under a
-        temporary name and renamed, so a crash never leaves a checkpoint that loads half."""
-        path = Path(path)
+        buffers and untrained parameters, and ``extra`` files from rank 0: name -> dict);
+        ``False``: one consolidated file. Written under a temporary name and renamed, so a crash
+        never leaves a checkpoint that loads half; an existing folder is replaced only if it is
+        a checkpoint of this library. An error on any rank raises on every rank."""
+        self._check_open()
+        path = ckpt.check_name(path)
+        coll = self._coll_device()
         if not sharded:
+            on_zero = self.rank == 0
+            error = ckpt.capture(lambda: ckpt.check_file_target(path)) if on_zero else None
+            ckpt.agree(error, self.world_size, self.process_group, coll)
             full = self.full_state_dict()
-            if self.rank == 0:
-                ckpt.atomic_save(full, path)
-            self._barrier()
+            error = ckpt.capture(lambda: ckpt.atomic_save(full, path)) if on_zero else None
+            ckpt.agree(error, self.world_size, self.process_group, coll)
             return
-        tmp = path.with_name(path.name + ".tmp")
-        if self.rank == 0:
-            if tmp.exists():
-                import shutil
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self._barrier()
-        ckpt.atomic_save({**self.state_dict(), "module_extra": self._untrained_state()},
-                         tmp / ckpt.shard_name(self.rank, self.world_size))
-        self._barrier()
-        if self.rank == 0:
-            ckpt.publish_dir(tmp, path)
-        self._barrier()
+        token, error = ckpt.begin_dir(path) if self.rank == 0 else ("", None)
+        token = ckpt.share_token(token, self.world_size, self.process_group, coll)
+        if error is not None or not token:
+            raise error or ckpt.CheckpointError(f"rank 0 could not start the checkpoint at "
+                                                f"{str(path)!r} (see its error)")
+        tmp = ckpt.temp_path(path, "tmp", token)
+        try:
+            shard = {**self.state_dict(), "module_extra": self._untrained_state()}
+            error = ckpt.capture(lambda: ckpt.atomic_save(
+                shard, tmp / ckpt.shard_name(self.rank, self.world_size)))
+            ckpt.agree(error, self.world_size, self.process_group, coll)
+            if self.rank == 0:
+                error = ckpt.capture(lambda: self._publish(tmp, path, token, extra or {}))
+            ckpt.agree(error, self.world_size, self.process_group, coll)
+        finally:
+            if self.rank == 0:
+                ckpt.discard(tmp)  # left only if the save failed: nothing of it is kept
+
+    def _publish(self, tmp: Path, path: Path, token: str, extra: dict[str, dict]) -> None:
+        for name, obj in extra.items():
+            ckpt.atomic_save(obj, tmp / name)
+        ckpt.publish_dir(tmp, path, self.world_size, token)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Load what ``save_checkpoint`` wrote, at this or any other world size."""
-        path = Path(path)
-        if path.is_dir():
-            mine = path / ckpt.shard_name(self.rank, self.world_size)
-            if mine.is_file():
-                shard = ckpt.safe_load(mine)
-                self.module.load_state_dict(shard["module_extra"], strict=False)
-                self._remember_frozen(shard["module_extra"])
-                self.load_state_dict(shard)
-                return
-            shards = ckpt.read_shard_dir(path)
-            full = ckpt.consolidate(shards)
-            names = self.module.state_dict(keep_vars=True)
-            model = {k: full["model"][self._trained[id(v)]] if id(v) in self._trained else
-                     shards[0]["module_extra"].get(k) for k, v in names.items()}
-            self.load_full_state_dict({**full, "model": model, "scaler": shards[0]["scaler"]})
-            return
-        if not path.exists():
-            raise ckpt.CheckpointError(f"no checkpoint at {str(path)!r}")
-        self.load_full_state_dict(ckpt.safe_load(path))
+        """Load what ``save_checkpoint`` wrote, at this or any other world size. Everything is
+        read and checked (checksums, model, layout; on every rank) before anything changes."""
+        self._check_open()
+        loaded: list[Any] = []
+        error = ckpt.capture(lambda: loaded.append(self._read_checkpoint(ckpt.resolve(path))))
+        ckpt.agree(error, self.world_size, self.process_group, self._coll_device())
+        kind, state = loaded[0]
+        if kind == "shard":
+            self.module.load_state_dict(state["module_extra"], strict=False)
+            self._remember_frozen(state["module_extra"])
+            self.load_state_dict(state)
+        else:
+            self.load_full_state_dict(state)
+
+    def _read_checkpoint(self, path: Path) -> tuple[str, dict]:
+        """``("shard", this rank's shard)`` or ``("full", full state)``, validated."""
+        if not path.is_dir():
+            full = ckpt.safe_load(path)
+            checks.check_full(full, self)
+            return "full", full
+        names = self.module.state_dict(keep_vars=True)
+        shards = ckpt.read_shards(path, self.rank, self.world_size)
+        ckpt.validate_shards(shards, {k: (self._trained.get(id(v)), tuple(v.shape))
+                                      for k, v in names.items()})
+        if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
+            checks.check_shard(shards[0], self)
+            return "shard", shards[0]
+        full = ckpt.consolidate(shards)
+        model = {k: full["model"][self._trained[id(v)]] if id(v) in self._trained else
+                 shards[0]["module_extra"][k] for k, v in names.items()}
+        full = {**full, "model": model, "scaler": shards[0]["scaler"]}
+        checks.check_full(full, self)
+        return "full", full
+
+    def _coll_device(self) -> torch.device:
+        return (checks.collective_device(self.process_group, self.device)
+                if self.world_size > 1 else torch.device("cpu"))
 
     def _barrier(self) -> None:
         if self.world_size > 1:
