@@ -267,10 +267,12 @@ def _load_raw(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated/corrupt archives
-        if _unsafe_types(e):
+        if _unsafe_types(e):  # torch's message is long; its "Unsupported global" line names it
+            what = next((line.strip() for line in str(e).splitlines()
+                         if "Unsupported global" in line), "")
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} holds objects other than tensors and plain Python "
-                f"values; they are not loaded, since unpickling them could run code ({e}). If "
+                f"values; they are not loaded, since unpickling them could run code ({what}). If "
                 "you trust the file, allow their types with torch.serialization.add_safe_globals"
             ) from None
         raise CheckpointError(
