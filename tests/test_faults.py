@@ -393,6 +393,7 @@ def _kill_during_save(tmp: Path, name: str, point: str) -> dict:
     return expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, name", [("shard", "ckpt"), ("file", "full.pt")])
 def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, point, name):
     expected = _kill_during_save(tmp_path, name, point)
@@ -405,6 +406,7 @@ def test_kill_while_writing_keeps_the_previous_checkpoint(tmp_path, point, name)
     assert [p.name for p in tmp_path.iterdir()] == [name]
 
 
+@pytest.mark.slow
 def test_kill_between_the_two_renames_falls_back_to_the_previous_folder(tmp_path):
     expected = _kill_during_save(tmp_path, "ckpt", "rename")
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -423,26 +425,36 @@ def test_kill_between_the_two_renames_falls_back_to_the_previous_folder(tmp_path
 
 
 _SAVER = r"""
-import sys
+import os, sys, time
 sys.path.insert(0, {tests!r})
 import test_faults as tf
 engine = tf.make_engine()
-for i in range(6):
+open(sys.argv[3] + str(os.getpid()), "w").close()
+while not os.path.exists(sys.argv[3] + "go"):  # start saving at the same time as the other
+    time.sleep(0.01)
+for i in range(10):
     tf.train(engine, 1, seed=i)
     engine.save_checkpoint(sys.argv[1], sharded=True)
     engine.save_checkpoint(sys.argv[2], sharded=False)
 """
 
 
+@pytest.mark.slow
 def test_two_processes_saving_to_one_path(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    sync = tmp_path / "sync"
+    sync.mkdir()
     args = [sys.executable, "-c", _SAVER.format(tests=str(TESTS)),
-            str(tmp_path / "ckpt"), str(tmp_path / "full.pt")]
+            str(tmp_path / "ckpt"), str(tmp_path / "full.pt"), str(sync) + "/"]
     procs = [subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.monotonic() + 120
+    while len(list(sync.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (sync / "go").touch()
     errors = [p.communicate(timeout=300)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.pt", "sync"]
     for path in (tmp_path / "ckpt", tmp_path / "full.pt"):
         make_engine(seed=5).load_checkpoint(path)
 
