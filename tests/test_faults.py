@@ -459,6 +459,49 @@ def test_two_processes_saving_to_one_path(tmp_path):
         make_engine(seed=5).load_checkpoint(path)
 
 
+def _outcome(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def _two_rank_save(rank: int, world: int, tmp: str) -> list:
+    engine = make_engine()
+    train(engine)
+    refused = _outcome(lambda: engine.save_checkpoint(Path(tmp) / "foreign"))
+    engine.save_checkpoint(Path(tmp) / "ckpt")
+    return [refused]
+
+
+def _two_rank_load(rank: int, world: int, tmp: str) -> list:
+    engine = make_engine(seed=3)
+    train(engine, 1, seed=rank)
+    before = snapshot(engine)
+    error = _outcome(lambda: engine.load_checkpoint(Path(tmp) / "ckpt"))
+    return [error, same(before, snapshot(engine))]
+
+
+@pytest.mark.slow
+def test_two_ranks_fail_together_and_change_nothing(tmp_path):
+    from _dist import run_ranks
+
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "data.csv").write_text("1,2\n")
+    saves = run_ranks(_two_rank_save, 2, str(tmp_path), timeout=120)
+    assert saves[0][0][0] == saves[1][0][0] == "CheckpointError"
+    assert "not written by lightning_zero_offload" in saves[0][0][1]
+    assert "rank 0 could not start the checkpoint" in saves[1][0][1]
+    assert [p.name for p in (tmp_path / "foreign").iterdir()] == ["data.csv"]
+    flip_tensor_byte(tmp_path / "ckpt" / "shard-00001-of-00002.pt")  # only rank 1's shard
+    (error0, same0), (error1, same1) = run_ranks(_two_rank_load, 2, str(tmp_path), timeout=120)
+    assert error1[0] == "CheckpointError" and "shard-00001-of-00002.pt' is damaged" in error1[1]
+    assert error0 == ("CheckpointError", "checkpoint: rank(s) [1] failed (see their error); "
+                                         "nothing was changed on this rank")
+    assert same0 and same1
+
+
 # -- options ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, error, message", [
     ("delayed_update", "no", TypeError, "delayed_update must be True or False, got 'no' (str)"),
