@@ -307,10 +307,13 @@ def shard_name(rank: int, world_size: int) -> str:
 
 
 # -- folders --------------------------------------------------------------------------------------
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, *, vanished_ok: bool = False) -> dict:
+    """The folder's manifest; ``vanished_ok``: a missing one raises FileNotFoundError as is."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
+        if vanished_ok and isinstance(e, FileNotFoundError):
+            raise
         raise CheckpointError(f"checkpoint folder {str(path)!r}: {MANIFEST} cannot be read ({e}); "
                               "the save did not finish. Use another checkpoint.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != DIR_FORMAT:
@@ -320,6 +323,13 @@ def read_manifest(path: Path) -> dict:
 
 def check_target(path: Path) -> None:
     """Refuse to replace anything but an empty folder or a complete checkpoint folder of ours."""
+    try:
+        _check_target(path)
+    except FileNotFoundError:
+        pass  # moved away meanwhile by another save of the same path: nothing to replace
+
+
+def _check_target(path: Path) -> None:
     if not path.exists():
         return
     if not path.is_dir():
@@ -333,7 +343,8 @@ def check_target(path: Path) -> None:
             f"{str(path)!r} is a folder holding files not written by lightning_zero_offload "
             f"(e.g. {entries[0]!r}); it is not replaced. Save to a new or empty folder."
         )
-    foreign = sorted(set(entries) - {MANIFEST, *read_manifest(path)["files"]})
+    saved = read_manifest(path, vanished_ok=True)["files"]
+    foreign = sorted(set(entries) - {MANIFEST, *saved})
     if foreign:
         raise CheckpointError(
             f"checkpoint folder {str(path)!r} also holds files it was not saved with "
@@ -367,6 +378,7 @@ def publish_dir(tmp: Path, path: Path, world_size: int, token: str) -> None:
     old = temp_path(path, "old", token)
     for _ in range(1000):  # another process may publish the same path between our renames
         _remove(old)
+        check_target(path)  # again: what is there now is what gets moved aside and deleted
         try:
             os.replace(path, old)
         except FileNotFoundError:
