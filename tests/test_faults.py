@@ -181,6 +181,22 @@ def test_lightning_meta_never_unpickles_code(tmp_path, weights_only):
     assert not marker.exists() and not (tmp_path / "one.ckpt").exists()
 
 
+def test_lightning_resume_falls_back_to_the_folder_a_killed_publish_left(tmp_path):
+    from lightning_zero_offload.lightning import checkpoint as lckpt
+
+    folder = _sharded_lightning_folder(tmp_path, {"epoch": 2})
+    old = folder.with_name(f".{folder.name}.old-{_dead_pid()}-0badcafe-{os.uname().nodename}")
+    folder.rename(old)  # where a kill between the two renames of the publish leaves it
+    with pytest.warns(UserWarning, match="is missing: a save was killed"):
+        meta = lckpt.load_sharded_meta(folder)
+    assert meta["epoch"] == 2 and meta[lckpt.SHARDED_KEY] == str(old)
+    engine = make_engine(seed=4)
+    engine.load_checkpoint(meta[lckpt.SHARDED_KEY])
+    reference = make_engine()
+    train(reference)
+    assert same(snapshot(reference), snapshot(engine))
+
+
 def test_lightning_load_from_checkpoint_of_a_sharded_folder_says_what_to_do(tmp_path):
     import lightning.pytorch as pl
 

@@ -117,7 +117,13 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     }
     meta["state_dict"] = model
     meta["optimizer_states"] = [optimizer_entry({**full, "scaler": shards[0].get("scaler")})]
-    torch.save(meta, output)
+    output = engine_state.check_name(output)
+    tmp = engine_state.temp_path(output, "tmp", engine_state.new_token())
+    try:  # a plain Lightning file (no checksum entry), renamed into place when complete
+        torch.save(meta, tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
