@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -113,3 +114,41 @@ def broadcast(t: Tensor, src: int, group: object | None, what: str) -> None:
 
 def barrier(group: object | None) -> None:
     run("barrier", lambda: dist.barrier(group=group))
+
+
+def capture(fn: Callable[[], object]) -> Exception | None:
+    """The exception ``fn()`` raises, or None: lets a rank report it to :func:`agree` first."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
+
+
+def agree(error: BaseException | None, world_size: int, group: object | None,
+          device: torch.device) -> None:
+    """Collective: raise on every rank if ``error`` happened on any (this rank's own error as
+    is), so that no rank goes on to change its state or waits for a failed peer."""
+    from lightning_zero_offload.core.state import CheckpointError
+
+    if world_size > 1:
+        flags = torch.zeros(world_size, device=device)
+        mine = torch.tensor([float(error is not None)], device=device)
+        run("agreement on a checkpoint step", lambda: _all_gather(flags, mine, group=group))
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed and error is None:
+            raise CheckpointError(f"checkpoint: rank(s) {failed} failed (see their error); "
+                                  "nothing was changed on this rank")
+    if error is not None:
+        raise error
+
+
+def share_token(token: str, world_size: int, group: object | None, device: torch.device) -> str:
+    """Collective: rank 0's ``token`` on every rank ("" when rank 0 could not start)."""
+    if world_size == 1:
+        return token
+    data = list(token.encode())[:256]
+    buf = torch.tensor(data + [0] * (256 - len(data)), dtype=torch.uint8).to(device)
+    src = dist.get_global_rank(group, 0) if group is not None else 0  # type: ignore[arg-type]
+    broadcast(buf, src, group, "broadcast of the checkpoint's temporary name")
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()

@@ -329,12 +329,15 @@ class ZeroOffload:
         self._state.load_full(state)
         self._push_master()
 
-    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
+                        extra: dict[str, dict] | None = None) -> None:
         """Collective. ``sharded=True``: a folder of one file per rank; ``False``: one
-        consolidated file. Written under a temporary name and renamed (never half a checkpoint)."""
+        consolidated file; ``extra``: more files (name -> dict) rank 0 writes into the folder.
+        Written under a temporary name and renamed (never half a checkpoint); only an empty folder
+        or one of ours is replaced."""
         self._check_open()
         self.gather_weights()
-        self._state.save(path, sharded=sharded)
+        self._state.save(path, sharded=sharded, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
