@@ -41,8 +41,9 @@ def _one_extra_step(rank: int, world: int) -> dict:
     engine = _engine()
     data = _rank_data(rank, world, 3)
     _steps(engine, data[:2])
-    if rank == 0:
-        return {"ok": True}  # rank 0 stops; rank 1 steps once more
+    if rank == 0:  # stops stepping but stays alive: only the timeout can end rank 1's wait
+        time.sleep(TIMEOUT + MARGIN + 5)
+        return {"ok": True}
     start = time.monotonic()
     try:
         _steps(engine, data[2:])

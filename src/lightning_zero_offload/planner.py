@@ -206,10 +206,9 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     shards = [b // world_size for b in buckets]
     sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
                         pinned=not cpu, out_direct=cpu and world_size == 1 and half)
-    in_flight = 1 + (world_size > 1)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
-                  untrained_bytes=h * frozen, buckets_in_flight=in_flight).parts
+                  untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
     dev: dict[str, int] = {}
     if not cpu:
         dev["weights"] = h * (trained + frozen)

@@ -53,6 +53,8 @@ from torch import Tensor
 
 from lightning_zero_offload.core.collectives import side_group
 
+POOL_SIZE = 3  # released bucket buffers kept for reuse (streaming.MAX_IN_FLIGHT + 1)
+
 
 class Event:
     """A point in a stream's queue. ``wait`` blocks the host until the stream has passed it;
@@ -125,6 +127,8 @@ class SyncDevice:
     def release(self, t: Tensor, stream: object) -> None:
         """``t`` may be reused once ``stream`` has passed this point."""
         self._pool.append(t if t._base is None else t._base)
+        if len(self._pool) > POOL_SIZE:  # what the host-memory budget counts
+            self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
 
     def handed_back(self, t: Tensor) -> None:
         """The host buffer ``t`` was consumed; its contents are dead from here on."""

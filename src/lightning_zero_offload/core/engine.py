@@ -71,15 +71,13 @@ class ZeroOffload:
         self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
                                         delayed=delayed, pinned=pinned, out_direct=out_direct)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        # On the CPU the bucket buffers are host memory too: a synchronous flush frees its buffer
-        # at once (and its shard, with several ranks); an emulated stream holds a few.
-        in_flight = MAX_IN_FLIGHT + 1 if dev.asynchronous else 1 + (self.world_size > 1)
+        # On the CPU the bucket buffers are host memory too (a few at once, as on a GPU).
         sizes = budget(host.sizes, sum(layout.group_numel),
                        max((b.numel for b in layout.buckets), default=0), dtype,
                        cpu=self.device.type == "cpu", delayed=delayed,
                        frozen_bytes=frozen_bytes(module, trained, dtype),
                        untrained_bytes=untrained_bytes(module, trained, dtype),
-                       buckets_in_flight=in_flight)
+                       buckets_in_flight=MAX_IN_FLIGHT + 1)
         self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
         ranks.start(layout, module, self.process_group, self.device, lambda: (
             check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
