@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     accuracy = (torch.as_tensor(out.predictions).argmax(-1) == torch.as_tensor(out.label_ids))
     accuracy = accuracy.float().mean().item()
     elapsed = time.time() - start
-    print(f"fine-tuned with {'ZeroOffloadTrainer' if trainer._zero_offload_engine() else 'Trainer'}"
+    print(f"fine-tuned with {'ZeroOffloadTrainer' if trainer.zero_offload_engine else 'Trainer'}"
           f": held-out accuracy {accuracy:.3f} (baseline {baseline:.3f}, majority class "
           f"{chance:.3f}); held-out loss {loss_before:.3f} -> {loss_after:.3f}; {elapsed:.0f} s")
     return {"accuracy": accuracy, "baseline": baseline, "chance": chance,

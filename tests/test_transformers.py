@@ -66,7 +66,7 @@ def _history(trainer) -> tuple[list, list]:
 
 
 def _master(trainer) -> dict:
-    engine = getattr(trainer, "_zero_offload_engine", lambda: None)()
+    engine = getattr(trainer, "zero_offload_engine", None)
     if engine is None:
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return engine.full_state_dict()["model"]
@@ -86,7 +86,7 @@ def test_trainer_matches_plain_trainer(tmp_path):
                               args=_args(tmp_path / "zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))
     ours.train()
-    engine = ours._zero_offload_engine()
+    engine = ours.zero_offload_engine
     assert engine is not None and engine.compute_dtype == torch.float32
     assert ours.model is engine.module
     plain_loss, plain_norm = _history(plain)
@@ -103,7 +103,7 @@ def test_flag_from_environment_and_fp32_save_model(tmp_path, monkeypatch):
     trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                                  args=_args(tmp_path / "run", bf16=True, max_steps=2))
     trainer.train()
-    engine = trainer._zero_offload_engine()
+    engine = trainer.zero_offload_engine
     assert engine is not None and engine.compute_dtype == torch.bfloat16
     trainer.save_model(str(tmp_path / "saved"))
     saved = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
@@ -118,7 +118,7 @@ def test_flag_off_is_plain_trainer(tmp_path):
                                  args=_args(tmp_path / "run", ZeroOffloadTrainingArguments,
                                             zero_offload=False, max_steps=1))
     trainer.train()
-    assert trainer._zero_offload_engine() is None
+    assert trainer.zero_offload_engine is None
     assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
 
 
@@ -175,7 +175,7 @@ def _compare_trainers(rank: int, world: int, out: str) -> tuple:
                               args=_args(f"{out}/zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))
     ours.train()
-    assert ours._zero_offload_engine().world_size == world
+    assert ours.zero_offload_engine.world_size == world
     return _history(plain), _history(ours), _rel_err(_master(ours), _master(plain))
 
 

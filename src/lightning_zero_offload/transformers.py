@@ -28,12 +28,13 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from lightning_zero_offload.accelerate import (
-    CHECKPOINT_SUBDIR,
     ZeroOffloadAcceleratedOptimizer,
     ZeroOffloadPlugin,
-    load_config_file,
-    zero_offload_enabled,
+    load_shards,
+    save_shards,
 )
+from lightning_zero_offload.core import ZeroOffload
+from lightning_zero_offload.core.config_env import load_config_file, zero_offload_enabled
 
 __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer"]
 
@@ -67,12 +68,12 @@ class ZeroOffloadTrainingArguments(TrainingArguments):
         return False if _enabled(self) else super().place_model_on_device
 
 
-def _enabled(args: Any) -> bool:
+def _enabled(args: TrainingArguments) -> bool:
     flag = getattr(args, "zero_offload", None)
     return zero_offload_enabled() if flag is None else bool(flag)
 
 
-def _options(args: Any) -> dict[str, Any]:
+def _options(args: TrainingArguments) -> dict[str, object]:
     cfg = getattr(args, "zero_offload_config", None)
     if cfg is None:
         return {}
@@ -100,7 +101,9 @@ class ZeroOffloadMixin:
             self._zo_plugin = plugin
         return plugin or None
 
-    def _zero_offload_engine(self) -> Any:
+    @property
+    def zero_offload_engine(self) -> ZeroOffload | None:
+        """The engine training the model; None before ``create_optimizer`` or when off."""
         plugin = self._zero_offload_plugin()
         return plugin.engine if plugin is not None else None
 
@@ -130,43 +133,37 @@ class ZeroOffloadMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         output = super().train(*args, **kwargs)
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is not None:
             engine.synchronize()  # a delayed update still in flight lands in self.model
         return output
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is not None:
             engine.synchronize()  # evaluate the latest weights, not one step stale
         return super().evaluation_loop(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), sharded=True)
+        save_shards(engine, output_dir)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"{path} does not exist: {checkpoint} was saved without ZeRO-Offload, so it has "
-                "no optimizer shards to resume from; resume it without ZeRO-Offload"
-            )
-        engine.load_checkpoint(path)
+        load_shards(engine, checkpoint)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The fp32 master weights (collective: call it on every rank, as the Trainer does)."""
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         state_dict = engine.full_state_dict(optimizer=False)["model"]

@@ -71,3 +71,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 def _named(name: str) -> type[OffloadOptimizer]:
     """One ``OffloadOptimizer`` subclass per wrapped optimizer class name."""
     return type(name, (OffloadOptimizer,), {"__module__": __name__, "__qualname__": name})
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` has stepped.
+
+    A scheduler warns when ``scheduler.step()`` comes before any ``optimizer.step()``; it learns
+    of a step from a private flag that its wrapper around ``optimizer.step`` sets. Where the
+    engine steps on an optimizer's behalf (the user's idle optimizer, the facade) that wrapper
+    never runs, so the flag is set here, the one place that touches it.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
