@@ -32,7 +32,7 @@ keyword arguments.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ __all__ = [
 
 CHECKPOINT_SUBDIR = "zero_offload"  # per-rank engine shards inside an accelerate/Trainer checkpoint
 _SHARDED_MARKER = "zero_offload_sharded_checkpoint"
+_PREPARED = "_is_accelerate_prepared"  # Accelerate's mark on what its prepare() returned
 _PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
@@ -208,11 +209,11 @@ class ZeroOffloadPlugin:
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
         engine = ZeroOffload(model, optimizer, config, device=device)
         module = engine.module
-        module._is_accelerate_prepared = True
+        setattr(module, _PREPARED, True)
         # A model prepared for evaluation earlier (Trainer.evaluate before train) is listed once.
         accelerator._models[:] = [m for m in accelerator._models if m is not module] + [module]
         wrapped = ZeroOffloadAcceleratedOptimizer(engine, optimizer)
-        wrapped._is_accelerate_prepared = True
+        setattr(wrapped, _PREPARED, True)
         accelerator._optimizers.append(wrapped)
         self.engine, self.optimizer = engine, wrapped
         _route_accelerator(accelerator, engine, wrapped)
@@ -253,7 +254,7 @@ def _route_accelerator(
     """Point this accelerator's gradient and checkpoint methods at the engine (instance
     attributes, so other accelerators are untouched)."""
     managed = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    plain_clip = accelerator.clip_grad_norm_
+    plain_clip: Callable[..., torch.Tensor | None] = accelerator.clip_grad_norm_
     plain_clip_value = accelerator.clip_grad_value_
     plain_get_state_dict = accelerator.get_state_dict
 
@@ -268,7 +269,8 @@ def _route_accelerator(
         engine.backward(loss / accelerator.gradient_accumulation_steps,
                         sync_gradients=accelerator.sync_gradients)
 
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor | None:
         params, ours = split(parameters)
         if not ours:
             return plain_clip(params, max_norm, norm_type)
@@ -287,7 +289,8 @@ def _route_accelerator(
             )
         return engine.clip_grad_norm_(max_norm, norm_type)
 
-    def clip_grad_value_(parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor,
+                         clip_value: float) -> None:
         params, ours = split(parameters)
         if ours:
             raise NotImplementedError("clip_grad_value_ is not supported with ZeRO-Offload (the "

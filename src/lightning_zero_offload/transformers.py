@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
@@ -85,7 +86,13 @@ def _options(args: TrainingArguments) -> dict[str, object]:
                     f"{type(cfg).__name__}")
 
 
-class ZeroOffloadMixin:
+if TYPE_CHECKING:  # the mixin's methods run on a Trainer (it is listed before one)
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ZeroOffloadMixin(_TrainerBase):
     """Puts a Trainer's model and optimizer on the engine; put it first in the bases."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,12 +101,10 @@ class ZeroOffloadMixin:
 
     def _zero_offload_plugin(self) -> ZeroOffloadPlugin | None:
         """The plugin when ZeRO-Offload is on for this Trainer's args, else None."""
-        plugin = self.__dict__.get("_zo_plugin")
-        if plugin is None:
-            plugin = ZeroOffloadPlugin(enabled=True, **_options(self.args)) if _enabled(
-                self.args) else False
-            self._zo_plugin = plugin
-        return plugin or None
+        if "_zo_plugin" not in self.__dict__:
+            self._zo_plugin = (ZeroOffloadPlugin(None, enabled=True, **_options(self.args))
+                               if _enabled(self.args) else None)
+        return self._zo_plugin
 
     @property
     def zero_offload_engine(self) -> ZeroOffload | None:
@@ -150,7 +155,7 @@ class ZeroOffloadMixin:
             return super()._save_optimizer_and_scheduler(output_dir)
         save_shards(engine, output_dir)
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            torch.save(self._scheduler().state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         engine = self.zero_offload_engine
@@ -159,7 +164,14 @@ class ZeroOffloadMixin:
         load_shards(engine, checkpoint)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _scheduler(self) -> LRScheduler:
+        scheduler = self.lr_scheduler
+        if not isinstance(scheduler, LRScheduler):  # the Trainer creates it before any save/load
+            raise RuntimeError(f"ZeroOffloadTrainer: expected a torch LR scheduler, got "
+                               f"{type(scheduler).__name__}")
+        return scheduler
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The fp32 master weights (collective: call it on every rank, as the Trainer does)."""

@@ -23,9 +23,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     logs ``lr-AdamW`` as it does without offload); it is not a ``torch.optim.AdamW``."""
 
     def __new__(cls, engine: ZeroOffload, inner: torch.optim.Optimizer) -> OffloadOptimizer:
-        if cls is OffloadOptimizer:
-            cls = _named(type(inner).__name__)
-        return super().__new__(cls)
+        # Optimizer defines no __new__: object's, called with the named subclass
+        return object.__new__(_named(type(inner).__name__) if cls is OffloadOptimizer else cls)
 
     def __init__(self, engine: ZeroOffload, inner: torch.optim.Optimizer) -> None:
         # Optimizer.__init__ would copy the groups; set up what it sets, sharing the groups.

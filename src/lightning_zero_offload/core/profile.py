@@ -89,7 +89,8 @@ class ProfileRecorder:
             self.add(name, step, start, self.now())
 
     @contextmanager
-    def device_span(self, name: str, step: int, stream: object = None) -> Iterator[None]:
+    def device_span(self, name: str, step: int, stream: torch.cuda.Stream | None = None
+                    ) -> Iterator[None]:
         """Time the work enqueued on CUDA ``stream`` inside the block (host time without one),
         placed at the host time it was enqueued."""
         if stream is None or not self.enabled:

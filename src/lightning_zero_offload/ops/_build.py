@@ -126,7 +126,7 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
     # ninja is a dependency; make the venv's copy visible even when the venv is not activated.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env_path])
     try:
-        return cpp_extension.load(
+        built = cpp_extension.load(  # a module (is_python_module defaults to True)
             name=module_name(build_dir),
             sources=[str(s) for s in sources(src)],
             extra_cflags=cflags(),
@@ -134,6 +134,8 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
             build_directory=str(build_dir),
             verbose=verbose,
         )
+        assert isinstance(built, ModuleType)
+        return built
     except Exception as e:  # noqa: BLE001 - re-raised with the compiler output and a remedy
         raise RuntimeError(
             f"lightning-zero-offload: building the C++ CPU Adam kernel in {build_dir} failed.\n"
