@@ -164,6 +164,47 @@ def test_bad_options_raise(tmp_path):
         )
 
 
+def test_precision_is_the_trainers_and_an_explicit_other_one_raises(tmp_path):
+    ours = ZeroOffloadTrainer(
+        model=_model(), train_dataset=_Data(),
+        args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, bf16=True,
+                   max_steps=1, zero_offload_config={"precision": "bf16-mixed"}),
+    )
+    ours.train()
+    assert ours.zero_offload_engine is not None
+    assert ours.zero_offload_engine.config.precision == "bf16-mixed"
+    AcceleratorState._reset_state(True)
+    match = (r"precision='bf16-mixed'\) does not match TrainingArguments\(bf16=False, "
+             r"fp16=False\), which means precision '32-true'")
+    with pytest.raises(ValueError, match=match):
+        ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
+                       zero_offload_config={"precision": "bf16-mixed"}),
+        ).train()
+
+
+class SubAdamW(torch.optim.AdamW):
+    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
+
+
+def test_adamw_subclass_matches_plain_trainer(tmp_path):
+    def run(cls, out, **kw):
+        AcceleratorState._reset_state(True)
+        model = _model()
+        opt = SubAdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
+        trainer = cls(model=model, train_dataset=_Data(), optimizers=(opt, None),
+                      args=_args(out, ZeroOffloadTrainingArguments, **kw))
+        trainer.train()
+        return trainer
+
+    plain = run(Trainer, tmp_path / "plain")
+    ours = run(ZeroOffloadTrainer, tmp_path / "zo", zero_offload=True)
+    assert type(ours.zero_offload_engine.optimizer).__name__ == "SubAdamW"
+    assert _history(ours)[0] == pytest.approx(_history(plain)[0], rel=1e-5)
+    assert _rel_err(_master(ours), _master(plain)) < 1e-5
+
+
 def _compare_trainers(rank: int, world: int, out: str) -> tuple:
     os.environ["ACCELERATE_USE_CPU"] = "true"
     plain = Trainer(model=_model(), args=_args(f"{out}/plain"), train_dataset=_Data())

@@ -169,8 +169,10 @@ class ZeroOffloadPlugin:
         self.engine: ZeroOffload | None = None
         self.optimizer: ZeroOffloadAcceleratedOptimizer | None = None
 
-    def resolve_config(self, mixed_precision: str) -> ZeroOffloadConfig:
-        """The engine's options: code, then environment, with precision from Accelerate."""
+    def resolve_config(self, mixed_precision: str, *, source: str | None = None
+                       ) -> ZeroOffloadConfig:
+        """The engine's options: code, then environment, with precision from Accelerate
+        (``source`` names the user's setting behind ``mixed_precision`` in errors)."""
         precision = mixed_precision_to_precision(mixed_precision)
         env = config_overrides_from_env()
         if self._config is not None and env:
@@ -189,7 +191,7 @@ class ZeroOffloadPlugin:
         config = build_config(self._config, {**env, **self._overrides}, who="ZeroOffloadPlugin",
                               where=where)
         return config.resolve_precision(
-            precision, source=f"Accelerator(mixed_precision={mixed_precision!r})")
+            precision, source=source or f"Accelerator(mixed_precision={mixed_precision!r})")
 
     def prepare(
         self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,

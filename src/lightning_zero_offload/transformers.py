@@ -129,7 +129,9 @@ class ZeroOffloadMixin(_TrainerBase):
         if self.args.n_gpu > 1:
             raise ValueError("ZeRO-Offload needs one process per GPU (torchrun or accelerate "
                              "launch), not DataParallel over several GPUs in one process")
-        if plugin.resolve_config(self.accelerator.mixed_precision).max_grad_norm is not None:
+        source = f"TrainingArguments(bf16={self.args.bf16}, fp16={self.args.fp16})"
+        if plugin.resolve_config(self.accelerator.mixed_precision,
+                                 source=source).max_grad_norm is not None:
             raise ValueError("set gradient clipping with TrainingArguments.max_grad_norm, not in "
                              "the ZeRO-Offload options (the Trainer clips through the engine)")
         self.model, self.optimizer = plugin.prepare(self.accelerator, self.model, optimizer)
