@@ -149,7 +149,7 @@ def test_delayed_profile_has_a_worker_lane_and_stall() -> None:
 
 
 def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_zero_offload.core.engine as engine_mod
+    import lightning_zero_offload.core.step as step_mod
 
     eng, _ = _engine(make(), None)
     data = batches(W + 3)
@@ -161,7 +161,7 @@ def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPat
     def boom(*a: object, **k: object) -> None:
         raise RuntimeError("kernel failed")
 
-    monkeypatch.setattr(engine_mod, "fused_adamw_", boom)
+    monkeypatch.setattr(step_mod, "fused_adamw_", boom)
     with pytest.raises(RuntimeError, match="kernel failed"):
         for x, y in data[W:]:
             eng.backward(lm_loss(eng.module(x), y))

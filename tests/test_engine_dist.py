@@ -167,7 +167,7 @@ def test_unused_parameters_differ_across_ranks():
 def _ranks_delayed(rank: int, world: int) -> list:
     engine = _engine(delayed_update=True, delayed_update_warmup=2)
     _train(engine, _split(batches(6), rank, world))
-    engine.synchronize()  # the last step's update, gathered from both ranks
+    engine.gather_weights()  # collective: the last step's update, gathered from both ranks
     return _params(engine)
 
 

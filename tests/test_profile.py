@@ -27,14 +27,16 @@ def test_fields_sum_spans_and_only_closed_steps_are_reported() -> None:
     assert [r.step for r in rec.records] == [1, 2]
 
 
-def test_span_begin_end_and_device_span_without_stream() -> None:
-    rec = ProfileRecorder()
+def test_span_begin_end_and_device_span_of_the_sync_device() -> None:
+    from lightning_zero_offload.core.device import SyncDevice
+
+    rec, dev = ProfileRecorder(), SyncDevice(torch.device("cpu"))
     rec.begin("fwd_bwd", 3)
     rec.begin("fwd_bwd", 3)  # a second forward (accumulation) keeps the first start
     with rec.span("stall", 3):
         pass
-    with rec.device_span("weight_copy", 3):
-        pass
+    host, start = rec.now(), dev.record(None)
+    rec.add_device("weight_copy", 3, host, start, dev.record(None))
     rec.end("fwd_bwd", 3)
     rec.end("fwd_bwd", 3)  # nothing open: ignored
     rec.close(3)
@@ -100,7 +102,7 @@ def test_dump_and_summarize(tmp_path) -> None:
 
 
 class _Event:
-    """Stands in for a CUDA timing event: ``done`` until ``query``/``synchronize``."""
+    """Stands in for a ``core.device.Event``: ``done`` until ``query``/``wait``."""
 
     def __init__(self, done: bool, ms: float = 0.0) -> None:
         self.done, self.ms, self.waited = done, ms, False
@@ -108,12 +110,12 @@ class _Event:
     def query(self) -> bool:
         return self.done
 
-    def synchronize(self) -> None:
+    def wait(self) -> None:
         self.waited = not self.done
         self.done = True
 
-    def elapsed_time(self, end: _Event) -> float:
-        return end.ms
+    def seconds_since(self, start: _Event) -> float:
+        return self.ms / 1000.0
 
 
 def test_finished_never_waits_for_device_spans() -> None:
@@ -138,13 +140,21 @@ def test_finished_never_waits_for_device_spans() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_span_measures_device_time() -> None:
-    rec = ProfileRecorder()
-    stream = torch.cuda.Stream()
+    from lightning_zero_offload.core.device import CudaDevice
+
+    rec, dev = ProfileRecorder(), CudaDevice(torch.device("cuda", torch.cuda.current_device()))
+    stream = dev.side_stream("test")
     a = torch.randn(4096, 4096, device="cuda")
-    stream.wait_stream(torch.cuda.current_stream())  # `a` is written on the default stream
-    with torch.cuda.stream(stream), rec.device_span("weight_copy", 1, stream):
+    dev.stream_waits_compute(stream)  # `a` is written on the compute stream
+    host, start = rec.now(), dev.record(stream)
+
+    def work() -> None:
+        b = a
         for _ in range(5):
-            a = a @ a.T / 64.0
+            b = b @ b.T / 64.0
+    dev.run(stream, work)
+    rec.add_device("weight_copy", 1, host, start, dev.record(stream))
     rec.close(1)
     (r,) = rec.records  # reading waits for the events
     assert r.weight_copy > 0.0 and r.spans[0][0] == "weight_copy"
+    dev.close()

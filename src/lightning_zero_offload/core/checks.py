@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.core.engine import ZeroOffload
+    from lightning_zero_offload.core.checkpoint import EngineState
 
 _UNSUPPORTED = {
     "amsgrad": "amsgrad=True",
@@ -142,7 +142,7 @@ def collective_device(group: Any, device: torch.device) -> torch.device:
     return device if "nccl" in backend and device.type == "cuda" else torch.device("cpu")
 
 
-def check_shard(state: Any, engine: ZeroOffload) -> None:
+def check_shard(state: Any, engine: EngineState) -> None:
     from lightning_zero_offload.core.state import SHARD_FORMAT, CheckpointError
 
     if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
@@ -168,7 +168,7 @@ def check_shard(state: Any, engine: ZeroOffload) -> None:
                                       "wrong size (corrupt shard?)")
 
 
-def check_full(state: Any, engine: ZeroOffload) -> tuple[dict, dict | None]:
+def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
     from lightning_zero_offload.core.state import CheckpointError
 
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
@@ -194,7 +194,7 @@ def check_full(state: Any, engine: ZeroOffload) -> tuple[dict, dict | None]:
     groups = opt.get("param_groups") if isinstance(opt, dict) else None
     if groups is None or not isinstance(opt.get("state"), dict) or [
         len(g["params"]) for g in groups
-    ] != [len(g) for g in engine._groups]:
+    ] != engine.group_sizes:
         raise CheckpointError(
             "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
             "param groups (same groups with the same number of parameters are needed)"

@@ -7,14 +7,6 @@ import psutil
 GiB = 2**30
 
 
-def host_bytes_needed(shard_numel: int, staging_numel: int, staging_elem: int,
-                      device_numel: int, device_elem: int) -> int:
-    """fp32 master, exp_avg, exp_avg_sq and gradient of this rank's shard (16 B per element), the
-    half-precision staging buffers, and, when the compute device is the CPU, the flat "device"
-    weight buffer."""
-    return 16 * shard_numel + staging_numel * staging_elem + device_numel * device_elem
-
-
 def check_host_memory(needed: int, rank: int) -> None:
     """Raise MemoryError with both numbers when ``needed`` exceeds available host memory."""
     available = psutil.virtual_memory().available

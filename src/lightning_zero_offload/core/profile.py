@@ -2,8 +2,8 @@
 
 The engine brackets its phases with spans tagged by the optimizer step they belong to (with
 delayed update the CPU step of step i runs while step i+1's forward and backward are timed).
-Host spans use ``time.perf_counter``; device spans record CUDA events on a stream and are resolved
-only when the records are read, so profiling adds no synchronization to the step.
+Host spans use ``time.perf_counter``; device spans are two events of ``core.device`` on a stream,
+resolved only when the records are read, so profiling adds no synchronization to the step.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.device import Event
+
 
 FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "weight_copy", "stall")
 SPANS = (*FIELDS, "grad_transfer")  # grad_transfer: per-bucket copies, drawn but not summed
@@ -53,7 +56,7 @@ class ProfileRecorder:
         self._steps: OrderedDict[int, StepProfile] = OrderedDict()
         self._closed: set[int] = set()
         self._starts: dict[tuple[str, int], float] = {}
-        self._cuda: list[tuple[int, str, float, torch.cuda.Event, torch.cuda.Event]] = []
+        self._device: list[tuple[int, str, float, Event, Event]] = []
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -88,29 +91,14 @@ class ProfileRecorder:
         finally:
             self.add(name, step, start, self.now())
 
-    @contextmanager
-    def device_span(self, name: str, step: int, stream: torch.cuda.Stream | None = None
-                    ) -> Iterator[None]:
-        """Time the work enqueued on CUDA ``stream`` inside the block (host time without one),
-        placed at the host time it was enqueued."""
-        if stream is None or not self.enabled:
-            with self.span(name, step):
-                yield
-            return
-        start_ev, end_ev = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start_ev.record(stream)
-        host = self.now()
-        yield
-        end_ev.record(stream)
-        self.add_device(name, step, host, start_ev, end_ev)
-
-    def add_device(self, name: str, step: int, host: float, start_ev: torch.cuda.Event,
-                   end_ev: torch.cuda.Event) -> None:
-        """A span between two recorded timing events, placed at host time ``host``."""
+    def add_device(self, name: str, step: int, host: float, start_ev: Event,
+                   end_ev: Event) -> None:
+        """A span between two device events (``core.device.Event``), placed at host time
+        ``host``; resolved when the records are read."""
         if self.enabled:
             with self._lock:
                 self._steps.setdefault(step, StepProfile(step))
-                self._cuda.append((step, name, host, start_ev, end_ev))
+                self._device.append((step, name, host, start_ev, end_ev))
 
     def close(self, step: int) -> None:
         """Mark ``step`` complete (its update landed); drop the oldest beyond ``keep``."""
@@ -133,20 +121,20 @@ class ProfileRecorder:
 
     def _resolve(self, wait: bool) -> list[StepProfile]:
         with self._lock:
-            cuda, self._cuda = self._cuda, []
+            pending, self._device = self._device, []
             closed = set(self._closed)  # a step's device spans are all added before it closes
         kept = []
-        for item in cuda:
+        for item in pending:
             step, name, host, start_ev, end_ev = item
             if step in closed and (wait or end_ev.query()):
-                end_ev.synchronize()
-                self.add(name, step, host, host + start_ev.elapsed_time(end_ev) / 1000.0)
+                end_ev.wait()
+                self.add(name, step, host, host + end_ev.seconds_since(start_ev))
             elif step in self._steps:  # still open or running: resolve on a later read
                 kept.append(item)
-        pending = {item[0] for item in kept}
+        open_steps = {item[0] for item in kept}
         with self._lock:
-            self._cuda.extend(kept)
-            return [r for s, r in self._steps.items() if s in closed and s not in pending]
+            self._device.extend(kept)
+            return [r for s, r in self._steps.items() if s in closed and s not in open_steps]
 
     def dump(self, path: str) -> None:
         """Write the closed records as JSON (``benchmarks/timeline.py`` draws it)."""

@@ -4,23 +4,34 @@ A post-accumulate-grad hook copies each parameter's gradient into its bucket's d
 drops ``param.grad``. When a bucket is complete (and every bucket before it in the global order),
 it is reduce-scattered across ranks (summed; the 1/N of DDP's average is folded into the step's
 gradient scale), the shard's sum of squares is taken on the device, and the shard goes to the
-host fp32 gradient (copied on the first micro-batch after ``zero_grad``, added after that).
+host. The buffers it lands in belong to ``core.host.HostBuffers``; the streamer asks for them.
 
-On CUDA the transfer runs on a side stream into a pinned staging buffer in the compute dtype
-(half precision on the wire) and lands in the fp32 gradient when it is drained; the bucket's
-device buffer is released as soon as the side stream is done with it. On the CPU all of this is
-plain tensor copies.
+On the CPU (``SyncDevice``) this is plain tensor work into the fp32 host gradient. On an
+asynchronous device (CUDA, or the emulated one in tests) the reduction and the copy run on a side
+stream into the bucket's staging slice, in the compute dtype. A bucket flushed once per step stays
+there and the step's kernel reads it directly; when micro-batches accumulate, the previous flush
+is moved into the fp32 gradient by a host task off the autograd thread (it waits for that copy,
+adds, then queues the next one), so backward never waits on the host. At most
+``MAX_IN_FLIGHT`` buckets' device buffers are alive at once: a new bucket waits for the oldest.
 """
 
 from __future__ import annotations
+
+import collections
+import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.host import GradSet, HostBuffers
+from lightning_zero_offload.core.layout import ALIGN, Layout, Slot
+from lightning_zero_offload.core.profile import ProfileRecorder
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+MAX_IN_FLIGHT = 2  # bucket buffers handed to the side stream and not yet released
 
 
 def _sq_sum(shard: Tensor) -> Tensor:
@@ -28,53 +39,68 @@ def _sq_sum(shard: Tensor) -> Tensor:
     return torch.linalg.vector_norm(shard, dtype=torch.float32).square()
 
 
+def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
+    """Padding ranges of bucket ``b`` (relative to its start): zeroed at each flush instead of
+    zeroing the whole buffer."""
+    bucket = layout.buckets[b]
+    ranges, pos = [], 0
+    for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
+        s = layout.slots[i]
+        lo = s.offset - bucket.start
+        if lo > pos:
+            ranges.append((pos, lo))
+        pos = lo + s.numel
+    if pos < bucket.numel:
+        ranges.append((pos, bucket.numel))
+    return ranges
+
+
+def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
+    ref = weakref.ref(streamer)  # the module's hooks must not keep a dropped engine alive
+
+    def hook(param: Tensor) -> None:
+        s = ref()
+        if s is not None and s.sync:
+            s.on_grad(i, param)
+    return hook
+
+
 class GradStreamer:
-    def __init__(self, layout: Layout, host_grads: list[Tensor], dtype: torch.dtype,
-                 device: torch.device, rank: int, process_group: object | None,
-                 pin_memory: bool) -> None:
-        self.layout = layout
-        self.host_grads = host_grads
-        self.dtype = dtype
-        self.device = device
-        self.rank = rank
-        self.group = process_group
+    def __init__(self, layout: Layout, host: HostBuffers, dtype: torch.dtype, dev: SyncDevice,
+                 rank: int, process_group: object | None, profile: ProfileRecorder) -> None:
+        self.layout, self.host, self.dtype, self.dev = layout, host, dtype, dev
+        self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
         self.sync = True
-        self.cuda = device.type == "cuda"
+        self.profile_step = 1  # the optimizer step these gradients are for
         nb = len(layout.buckets)
+        self._gaps = [_gaps(layout, b) for b in range(nb)]
         self._bufs: list[Tensor | None] = [None] * nb
+        self._written: list[set[int]] = [set() for _ in range(nb)]
         self._ready = [0] * nb
         self._arrived = [False] * len(layout.slots)
         self._next = 0
         self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
-        self.in_staging = [False] * nb  # CUDA: the bucket's gradient is only in its staging slice
-        self.profile = None  # a ProfileRecorder: each bucket's transfer is a "grad_transfer" span
-        self.profile_step = 1  # the optimizer step these gradients are for
-        self._pool: list[Tensor] = []  # CPU only: released bucket buffers
-        self._direct = not self.cuda and self.world_size == 1
         self.stats: list[Tensor] = []  # device sum of squares of every flushed shard
+        self._direct = not dev.asynchronous and self.world_size == 1
+        self._stream = dev.side_stream("d2h") if dev.asynchronous else None
+        self._pending: list[Event | None] = [None] * nb  # latest copy into staging
+        self._tasks: list = [None] * nb  # host task moving the previous flush to fp32
+        self._moved = [0] * nb  # flushes moved into the fp32 gradient since zero_grad
+        self._in_flight: collections.deque[Callable[[], object]] = collections.deque()
+        self._sources: list[Tensor] | None = None
         self._handles = [
-            s.param.register_post_accumulate_grad_hook(self._make_hook(i))
+            s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
             for i, s in enumerate(layout.slots)
         ]
-        if self.cuda:
-            self._stream = torch.cuda.Stream(device=device)
-            self._staging = [
-                torch.empty(n, dtype=dtype, pin_memory=pin_memory) for n in layout.group_shard_numel
-            ]
-            self._pending: list[tuple | None] = [None] * nb
 
     # -- hooks ---------------------------------------------------------------------------------
-    def _make_hook(self, i: int):
-        def hook(param: Tensor) -> None:
-            if self.sync:
-                self._on_grad(i, param)
-        return hook
-
-    def _on_grad(self, i: int, param: Tensor) -> None:
+    def on_grad(self, i: int, param: Tensor) -> None:
         slot = self.layout.slots[i]
         grad = param.grad
+        if grad is None:
+            return
         if grad.is_sparse:
             raise RuntimeError(
                 f"ZeroOffload: parameter {slot.name!r} got a sparse gradient; sparse gradients are "
@@ -88,7 +114,7 @@ class GradStreamer:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-        self._add_to_bucket(slot, grad)
+        self._add_to_bucket(i, slot, grad)
         param.grad = None
         self._arrived[i] = True
         self._ready[slot.bucket] += 1
@@ -99,30 +125,29 @@ class GradStreamer:
             self._flush(self._next)
             self._next += 1
 
-    def _add_to_bucket(self, slot, grad: Tensor) -> None:
-        bucket = self.layout.buckets[slot.bucket]
-        buf = self._bufs[slot.bucket]
+    def _add_to_bucket(self, i: int, slot: Slot, grad: Tensor) -> None:
+        b = slot.bucket
+        buf = self._bufs[b]
         if buf is None:
-            buf = self._bufs[slot.bucket] = self._new_buffer(slot.bucket)
-        lo = slot.offset - bucket.start
-        buf[lo : lo + slot.numel].add_(grad.reshape(-1))
+            buf = self._bufs[b] = self._new_buffer(b)
+        lo = slot.offset - self.layout.buckets[b].start
+        dst = buf[lo : lo + slot.numel]
+        if i in self._written[b]:
+            dst.add_(grad.reshape(-1))
+        else:
+            dst.copy_(grad.reshape(-1))
+            self._written[b].add(i)
 
     def _new_buffer(self, b: int) -> Tensor:
-        """A zeroed bucket buffer. On the CPU with one rank the first micro-batch accumulates
-        straight into the fp32 host gradient (saving a copy). On CUDA the caching allocator
-        recycles freed buckets; on the CPU a small pool does, so large buffers are not
-        page-faulted in again every backward."""
-        bucket = self.layout.buckets[b]
-        numel = bucket.numel
+        """Bucket ``b``'s buffer (contents undefined: every element is written or zeroed before
+        the flush). On the CPU with one rank the first flush lands straight in the fp32 host
+        gradient (saving a copy)."""
+        numel = self.layout.buckets[b].numel
         if self._direct and self.flushes[b] == 0:
-            g, lo = bucket.group, bucket.host_offset
-            return self.host_grads[g][lo : lo + numel].zero_()
-        for i, t in enumerate(self._pool):
-            if t.numel() >= numel:
-                return self._pool.pop(i)[:numel].zero_()
-        if self._pool:  # none fits: drop the smallest so the pool does not grow
-            self._pool.pop(min(range(len(self._pool)), key=lambda i: self._pool[i].numel()))
-        return torch.zeros(numel, dtype=self.dtype, device=self.device)
+            return self.host.grads.grad(b)
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._in_flight.popleft()()  # the oldest bucket's device memory is released
+        return self.dev.empty(numel, self.dtype)
 
     def end_backward(self) -> None:
         """Flush every bucket not flushed yet, in order, with the gradients that did arrive
@@ -133,9 +158,12 @@ class GradStreamer:
             for i in self.layout.buckets[b].slots:
                 param = self.layout.slots[i].param
                 if not self._arrived[i] and param.grad is not None:  # e.g. left by no_sync
-                    self._add_to_bucket(self.layout.slots[i], param.grad)
+                    self._add_to_bucket(i, self.layout.slots[i], param.grad)
                     param.grad = None
             self._flush(b)
+        self._end_pass()
+
+    def _end_pass(self) -> None:
         self._next = 0
         self._ready = [0] * len(self._ready)
         self._arrived = [False] * len(self._arrived)
@@ -144,144 +172,158 @@ class GradStreamer:
     def discard(self) -> None:
         """After a failed backward: forget its partial buckets (nothing was sent for them)."""
         self._bufs = [None] * len(self._bufs)
-        self._next = 0
-        self._ready = [0] * len(self._ready)
-        self._arrived = [False] * len(self._arrived)
-        self._in_backward = False
+        self._written = [set() for _ in self._bufs]
+        self._end_pass()
         for s in self.layout.slots:
             s.param.grad = None
 
     # -- transfer ------------------------------------------------------------------------------
     def _flush(self, b: int) -> None:
-        bucket = self.layout.buckets[b]
         buf = self._bufs[b]
         self._bufs[b] = None
         if buf is None:
             buf = self._new_buffer(b)
+        unwritten = [i for i in self.layout.buckets[b].slots if i not in self._written[b]]
+        self._written[b] = set()
+        start = self.layout.buckets[b].start
+        for i in unwritten:
+            s = self.layout.slots[i]
+            buf[s.offset - start : s.offset - start + s.numel].zero_()
+        for lo, hi in self._gaps[b]:
+            buf[lo:hi].zero_()
         first = self.flushes[b] == 0
         self.flushes[b] += 1
-        if not self.cuda:
-            host = self._host(b)
-            t0 = self.profile.now() if self.profile else 0.0
-            shard = self._reduce(buf, bucket.shard)
-            self.stats.append(_sq_sum(shard))
-            if shard.data_ptr() != host.data_ptr():
-                host.copy_(shard) if first else host.add_(shard)
-                self._pool.append(buf if buf._base is None else buf._base)
-            if self.profile:
-                self.profile.add("grad_transfer", self.profile_step, t0, self.profile.now())
+        self._sources = None
+        if self.dev.asynchronous:
+            self._flush_async(b, buf, first)
+        else:
+            self._flush_sync(b, buf, first)
+
+    def _shard_of(self, b: int, buf: Tensor) -> Tensor:
+        return buf if self.world_size == 1 else self.dev.empty(self.layout.buckets[b].shard,
+                                                                buf.dtype)
+
+    def _flush_sync(self, b: int, buf: Tensor, first: bool) -> None:
+        t0 = self.profile.now()
+        shard = self._shard_of(b, buf)
+        if shard is not buf:
+            _reduce_scatter(shard, buf, group=self.group)
+        self.stats.append(_sq_sum(shard))
+        host = self.host.grads.grad(b)
+        if shard.data_ptr() != host.data_ptr():
+            host.copy_(shard) if first else host.add_(shard)
+            self.dev.release(buf, None)
+            if shard is not buf:
+                self.dev.release(shard, None)
+        self.profile.add("grad_transfer", self.profile_step, t0, self.profile.now())
+
+    def _flush_async(self, b: int, buf: Tensor, first: bool) -> None:
+        dev, stream, step = self.dev, self._stream, self.profile_step
+        shard = self._shard_of(b, buf)
+        stat = torch.full((), float("nan"), device=dev.device)
+        # After the allocations: backward wrote the bucket (and the allocator's previous users
+        # of this memory ran) on the compute stream.
+        dev.stream_waits_compute(stream)
+        begin = (self.profile.now(), dev.record(stream))
+
+        def reduce(group: object) -> None:
+            if shard is not buf:
+                _reduce_scatter(shard, buf, group=group)
+            stat.copy_(_sq_sum(shard))
+        dev.collective(stream, reduce)
+        if shard is not buf:
+            dev.release(buf, stream)
+        self.stats.append(stat)
+        gset = self.host.grads
+
+        def copy_in() -> Event:
+            stage = gset.stage(b)
+            dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
+            dev.release(shard, stream)
+            end = self._pending[b] = dev.record(stream)
+            self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
+            return end
+
+        if first:
+            end = copy_in()
+            self._in_flight.append(end.wait)
             return
-        self._finish_pending(b)  # this bucket's previous flush lands before staging is reused
-        self._materialize(b)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            if self.profile:
-                begin = (self.profile.now(), torch.cuda.Event(enable_timing=True))
-                begin[1].record(stream)
-            shard = self._reduce(buf, bucket.shard)
-            self.stats.append(_sq_sum(shard))
-            staging = self._staging[bucket.group][
-                bucket.host_offset : bucket.host_offset + bucket.shard
-            ]
-            staging.copy_(shard, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=self.profile is not None)
-            event.record(stream)
-            if self.profile:
-                self.profile.add_device("grad_transfer", self.profile_step, *begin, event)
-        buf.record_stream(stream)  # the allocator reuses it once the side stream is past it
-        shard.record_stream(stream)
-        self._pending[b] = (event, first)
+        # A later flush: the previous one leaves staging for the fp32 gradient first, on a host
+        # task (waiting for its copy and adding on the autograd thread would starve the device).
+        self.host.need_fp32_grads()  # normally done by ZeroOffload.backward, before autograd
+        prev, into_empty = self._tasks[b], self._moved[b] == 0
+        self._moved[b] += 1
 
-    def _reduce(self, buf: Tensor, shard_numel: int) -> Tensor:
-        if self.world_size == 1:
-            return buf
-        out = torch.empty(shard_numel, dtype=buf.dtype, device=buf.device)
-        _reduce_scatter(out, buf, group=self.group)
-        return out
-
-    def _finish_pending(self, b: int, lazy: bool = False) -> None:
-        """Wait for bucket ``b``'s transfer. A first flush drained ``lazy`` stays in its staging
-        slice, where the step's kernel reads it (no fp32 pass over the gradient on the host)."""
-        item = self._pending[b]
-        if item is not None:
-            event, first = item
-            event.synchronize()
-            self._pending[b] = None
-            if first and lazy:
-                self.in_staging[b] = True
-            else:
-                host, staging = self._host(b), self._stage(b)
-                host.copy_(staging) if first else host.add_(staging)
-
-    def _host(self, b: int) -> Tensor:
-        """Bucket ``b``'s shard of the fp32 host gradient. On CUDA that buffer is allocated on
-        first use: a step whose buckets were each flushed once reads its gradient from staging
-        and never needs it (4 bytes per parameter of host memory saved)."""
-        bucket = self.layout.buckets[b]
-        g = bucket.group
-        if self.host_grads[g] is None:
-            self.host_grads[g] = torch.zeros(self.layout.group_shard_numel[g])
-        return self.host_grads[g][bucket.host_offset : bucket.host_offset + bucket.shard]
-
-    def _stage(self, b: int) -> Tensor:
-        bucket = self.layout.buckets[b]
-        return self._staging[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
-
-    def _materialize(self, b: int) -> None:
-        if self.in_staging[b]:
-            self.in_staging[b] = False
-            self._host(b).copy_(self._stage(b))
-
-    def materialize(self) -> None:
-        """Make the fp32 host gradient complete (for a host-side norm)."""
-        self.drain()
-        for b in range(len(self.in_staging)):
-            self._materialize(b)
-
-    def grad_sources(self) -> list[Tensor]:
-        """Per bucket, this rank's gradient shard for the kernel: the staging slice (compute
-        dtype) when one flush left it there, else the fp32 host gradient."""
-        self.drain()
-        return [self._stage(b) if self.in_staging[b] else self._host(b)
-                for b in range(len(self.in_staging))]
-
-    def swap_buffers(self, host_grads: list[Tensor], staging: list[Tensor] | None) -> tuple:
-        """Delayed update: the step just decided keeps reading the current host gradient and
-        staging buffers (returned); the next backward fills these."""
-        old = self.host_grads, (self._staging if self.cuda else None)
-        self.host_grads = host_grads
-        if self.cuda:
-            self._staging = staging
-        self.in_staging = [False] * len(self.in_staging)
-        return old
+        def move_then_copy() -> Event:
+            if prev is not None:
+                prev.result()
+            pending = self._pending[b]
+            if pending is not None:
+                pending.wait()
+            stage, fp32 = gset.stage(b), gset.grad(b)
+            fp32.copy_(stage) if into_empty else fp32.add_(stage)
+            dev.handed_back(stage)
+            return copy_in()
+        task = self._tasks[b] = dev.host_task(move_then_copy)
+        self._in_flight.append(lambda: task.result().wait())
 
     # -- step side -----------------------------------------------------------------------------
+    def will_accumulate(self) -> bool:
+        """Whether the next backward adds to buckets already flushed since ``zero_grad``."""
+        return any(self.flushes)
+
+    def drain(self) -> None:
+        """Wait for every gradient transfer in flight."""
+        for b in range(len(self.layout.buckets)):
+            task, self._tasks[b] = self._tasks[b], None
+            if task is not None:
+                task.result()
+            pending, self._pending[b] = self._pending[b], None
+            if pending is not None:
+                pending.wait()
+        self._in_flight.clear()
+
     def finish(self) -> bool:
-        """Make the gradients complete for a step (``grad_sources`` says where they are).
-        Gradients left on the device by ``no_sync`` micro-batches are reduced now; buckets that
-        got nothing since ``zero_grad`` are zeroed. Returns False when no gradient arrived at all
-        since ``zero_grad``."""
+        """Make the gradients complete for a step. Gradients left on the device by ``no_sync``
+        micro-batches are reduced now. Returns False when no gradient arrived at all since
+        ``zero_grad``."""
         if not self._in_backward and any(s.param.grad is not None for s in self.layout.slots):
+            if any(self.flushes):
+                self.host.need_fp32_grads()
             self._in_backward = True
         self.end_backward()
         self.drain()
-        if not any(self.flushes):
-            return False
-        for b in range(len(self.layout.buckets)):
-            if self.flushes[b] == 0:
-                if self.cuda:  # this step reads the zeros from staging
-                    self._stage(b).zero_()
-                    self.in_staging[b] = True
-                else:
-                    self._host(b).zero_()
-        return True
+        return any(self.flushes)
 
-    def drain(self) -> None:
-        """Wait for every gradient transfer in flight (first flushes stay in staging)."""
-        if self.cuda:
-            for b in range(len(self.layout.buckets)):
-                self._finish_pending(b, lazy=True)
+    def sources(self) -> list[Tensor]:
+        """Per bucket, this rank's gradient shard for the kernel (after ``finish``): the staging
+        slice (compute dtype) when the bucket was flushed once, else the fp32 gradient. Buckets
+        that got nothing since ``zero_grad`` read zeros."""
+        if self._sources is None:
+            gset = self.host.grads
+            self._sources = [self._source(gset, b) for b in range(len(self.layout.buckets))]
+        return self._sources
+
+    def _source(self, gset: GradSet, b: int) -> Tensor:
+        if not self.dev.asynchronous:
+            src = gset.grad(b)
+            return src.zero_() if self.flushes[b] == 0 else src
+        stage = gset.stage(b)
+        if self.flushes[b] == 0:
+            return stage.zero_()
+        if self._moved[b] == 0:
+            return stage
+        fp32 = gset.grad(b)  # the last flush is still in staging
+        fp32.add_(stage)
+        self.dev.handed_back(stage)
+        self._moved[b] += 1
+        return fp32
+
+    def consumed(self, sources: list[Tensor]) -> None:
+        """The step has read ``sources``; their contents are dead until the next backward fills
+        them (call ``zero_grad`` before it)."""
+        for t in sources:
+            self.dev.handed_back(t)
 
     def local_sq_sum(self) -> Tensor | None:
         """Sum of squares of this rank's reduced gradient shard, from the device-side statistics;
@@ -293,8 +335,9 @@ class GradStreamer:
     def reset(self) -> None:
         """``zero_grad``: the next flush of each bucket overwrites instead of adding."""
         self.flushes = [0] * len(self.flushes)
-        self.in_staging = [False] * len(self.in_staging)
+        self._moved = [0] * len(self._moved)
         self.stats = []
+        self._sources = None
         for s in self.layout.slots:
             s.param.grad = None
 
@@ -303,4 +346,6 @@ class GradStreamer:
             h.remove()
         self._handles = []
         self.drain()
-        self._staging = []
+
+
+__all__ = ["ALIGN", "GradStreamer", "MAX_IN_FLIGHT"]

@@ -1,0 +1,204 @@
+"""The host buffers of this rank's shard and their sizing: one owner, one budget.
+
+Per optimizer group, over this rank's shard: the fp32 master weights and Adam moments, and the
+fp32 gradient. Per bucket: the gradient staging slice (compute dtype; the device-to-host copies
+land there on an asynchronous device) and the output slice (the kernel's half-precision weights,
+the source of the host-to-device copies). With delayed update a second gradient set (fp32
+gradient and staging) receives the next backward while the step reads the first.
+
+:func:`plan` sizes exactly what :class:`HostBuffers` can ever allocate, pinned rounding included:
+torch's pinned allocator rounds every block up to a power of two, so staging and output slices
+are packed into a few power-of-two blocks (nothing is lost to rounding but the tail of the last
+one), and the one pinned whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
+of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only once
+a step accumulates several flushes of a bucket; it is budgeted anyway and allocated by
+:meth:`HostBuffers.need_fp32_grads`, called before a backward that accumulates, never in a hook.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.core.layout import Layout
+
+_SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
+_MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def pinned_size(nbytes: int) -> int:
+    """What torch's pinned (caching host) allocator really reserves for ``nbytes``."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _arena_blocks(slices: list[int]) -> tuple[int, list[tuple[int, int]]]:
+    """Pack slices (bytes) into equal power-of-two blocks: (block bytes, [(block, offset)])."""
+    if not slices:
+        return 0, []
+    padded = [_round_up(s, _SLICE_ALIGN) for s in slices]
+    block = pinned_size(max(max(padded), min(sum(padded), _MAX_BLOCK)))
+    places, b, off = [], 0, 0
+    for s in padded:
+        if off + s > block:
+            b, off = b + 1, 0
+        places.append((b, off))
+        off += s
+    return block, places
+
+
+@dataclass
+class Sizes:
+    """Bytes of every host buffer an engine can allocate (what the preflight check budgets)."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
+         pinned: bool, out_direct: bool) -> Sizes:
+    """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring)."""
+    n, elem = layout.shard_numel, torch.empty((), dtype=dtype).element_size()
+    half = dtype != torch.float32
+    sets = 2 if delayed else 1
+    parts = {"master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad_fp32": 4 * n * sets}
+    if pinned and not half:  # "32-true" on CUDA: the master is the copies' pinned source
+        parts["master"] = sum(pinned_size(4 * k) for k in layout.group_shard_numel)
+    shard_bytes = [b.shard * elem for b in layout.buckets]
+    arena = 0
+    if asynchronous:
+        arena += _arena_bytes(shard_bytes, pinned) * sets  # gradient staging
+    if half and not out_direct:
+        arena += _arena_bytes(shard_bytes, pinned)  # kernel output (H2D source)
+    parts["staging"] = arena
+    return Sizes(parts)
+
+
+def _arena_bytes(slices: list[int], pinned: bool) -> int:
+    if not pinned:
+        return sum(_round_up(s, _SLICE_ALIGN) for s in slices)
+    block, places = _arena_blocks(slices)
+    return block * (places[-1][0] + 1) if places else 0
+
+
+class _Arena:
+    """Per-bucket slices of a few large host blocks (pinned on CUDA)."""
+
+    def __init__(self, numels: list[int], dtype: torch.dtype, pinned: bool) -> None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        sizes = [k * elem for k in numels]
+        if pinned:
+            block, places = _arena_blocks(sizes)
+            nblocks = places[-1][0] + 1 if places else 0
+            self.blocks = [torch.empty(block, dtype=torch.uint8, pin_memory=True)
+                           for _ in range(nblocks)]
+        else:
+            offs, off = [], 0
+            for s in sizes:
+                offs.append((0, off))
+                off += _round_up(s, _SLICE_ALIGN)
+            places, self.blocks = offs, [torch.empty(off, dtype=torch.uint8)]
+        self.slices = [self.blocks[b][o : o + s].view(dtype)
+                       for (b, o), s in zip(places, sizes, strict=True)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+
+class GradSet:
+    """One set of gradient buffers: fp32 per group (maybe not allocated yet) and staging."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool,
+                 fp32_now: bool) -> None:
+        self.layout = layout
+        self.fp32: list[Tensor] | None = None
+        self._arena = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
+                       if staged else None)
+        self.staging = self._arena.slices if self._arena is not None else None
+        if fp32_now:
+            self.allocate_fp32()
+
+    def allocate_fp32(self) -> None:
+        if self.fp32 is None:
+            self.fp32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
+
+    def grad(self, b: int) -> Tensor:
+        """Bucket ``b``'s slice of the fp32 gradient (allocated by ``allocate_fp32``)."""
+        if self.fp32 is None:
+            raise RuntimeError("ZeroOffload internal error: fp32 gradient used before allocation")
+        bucket = self.layout.buckets[b]
+        return self.fp32[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
+
+    def stage(self, b: int) -> Tensor:
+        assert self.staging is not None
+        return self.staging[b]
+
+    def nbytes(self) -> int:
+        out = sum(t.numel() * 4 for t in self.fp32 or [])
+        return out + (self._arena.nbytes if self._arena is not None else 0)
+
+
+class HostBuffers:
+    """This rank's host state; the only place that allocates host buffers of the shard's size."""
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
+                 delayed: bool, pinned: bool, out_direct: bool) -> None:
+        self.layout = layout
+        half = dtype != torch.float32
+        n = layout.group_shard_numel
+        self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
+                          pinned=pinned, out_direct=out_direct)
+        self.master = [torch.zeros(k, pin_memory=pinned and not half) for k in n]
+        self.exp_avg = [torch.zeros(k) for k in n]
+        self.exp_avg_sq = [torch.zeros(k) for k in n]
+        # On the CPU the fp32 gradient is where buckets land, so it always exists.
+        self.grads = GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
+        self.spare = (GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
+                      if delayed else None)
+        self._out = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
+                     if half and not out_direct else None)
+
+    def state(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Bucket ``b``'s shard of the master weights and both moments."""
+        bucket = self.layout.buckets[b]
+        sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
+        g = bucket.group
+        return self.master[g][sl], self.exp_avg[g][sl], self.exp_avg_sq[g][sl]
+
+    def out(self, b: int) -> Tensor | None:
+        """Bucket ``b``'s half-precision output slice; None where the kernel writes no copy."""
+        return None if self._out is None else self._out.slices[b]
+
+    def need_fp32_grads(self) -> None:
+        """Called before a backward that accumulates: the fp32 gradient of both sets exists."""
+        for s in (self.grads, self.spare):
+            if s is not None:
+                s.allocate_fp32()
+
+    def swap(self) -> GradSet:
+        """Delayed update: returns the set the step just decided reads; the next backward fills
+        the other one."""
+        if self.spare is None:
+            raise RuntimeError("ZeroOffload internal error: swap without delayed update")
+        used, self.grads, self.spare = self.grads, self.spare, self.grads
+        return used
+
+    def allocated_bytes(self) -> int:
+        """Bytes of everything allocated so far (at most ``sizes.total``)."""
+        out = sum(t.numel() * 4 for t in (*self.master, *self.exp_avg, *self.exp_avg_sq))
+        out += sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
+        return out + (self._out.nbytes if self._out is not None else 0)
+
+    def free(self) -> None:
+        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        self.grads = self.spare = None  # type: ignore[assignment]
+        self._out = None
