@@ -11,8 +11,9 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from _accelerate_state import reset_accelerate  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
 from lightning_zero_offload.accelerate import (  # noqa: E402
     ZeroOffloadAcceleratedOptimizer,
@@ -24,18 +25,13 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
 ACCUM, STEPS, BATCH, MAX_NORM = 2, 6, 4, 0.05
 
 
-def _reset_accelerate() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
     for var in [v for v in __import__("os").environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
-    _reset_accelerate()
+    reset_accelerate()
     yield
-    _reset_accelerate()
+    reset_accelerate()
 
 
 def _model() -> nn.Module:
@@ -99,7 +95,7 @@ def _train(offload: bool, world: int = 1, opt_cls: type = torch.optim.AdamW):
 def _compare_ranks(rank: int, world: int) -> tuple:
     __import__("os").environ["ACCELERATE_USE_CPU"] = "true"  # gloo ranks: Accelerate's MULTI_CPU
     plain, plain_norms = _train(False, world)
-    _reset_accelerate()
+    reset_accelerate()
     ours, our_norms = _train(True, world)
     assert AcceleratorState().num_processes == world
     return _rel_err(ours, plain), plain_norms, our_norms
@@ -150,7 +146,7 @@ def test_flag_off_is_plain_prepare(monkeypatch):
     assert "backward" not in vars(acc) and "clip_grad_norm_" not in vars(acc)
     _run(acc, model, opt, loader, sched)
     w_off = _weights(acc, model)
-    _reset_accelerate()
+    reset_accelerate()
     plain, _ = _train(False)
     assert _rel_err(w_off, plain) == 0.0
 
@@ -174,7 +170,7 @@ def _resume(rank: int, world: int, path: str) -> float:
     _run(acc, model, opt, loader, sched, skip=half)
     straight = _weights(acc, model)
 
-    _reset_accelerate()
+    reset_accelerate()
     acc, _, model, opt, loader, sched = _setup(True, world)
     acc.load_state(path)
     _run(acc, model, opt, loader, sched, skip=half)
@@ -201,7 +197,7 @@ def test_save_load_state_resumes_exactly_two_processes(tmp_path):
 def test_load_state_needs_engine_shards(tmp_path):
     acc, _, model, opt, loader, sched = _setup(False)
     acc.save_state(str(tmp_path / "plain"))
-    _reset_accelerate()
+    reset_accelerate()
     acc, *_ = _setup(True)
     with pytest.raises(FileNotFoundError, match="zero_offload"):
         acc.load_state(str(tmp_path / "plain"))
@@ -321,13 +317,13 @@ class SubAdamW(torch.optim.AdamW):
 
 def test_adamw_subclass_matches_plain_accelerate():
     plain, plain_norms = _train(False, opt_cls=SubAdamW)
-    _reset_accelerate()
+    reset_accelerate()
     ours, our_norms = _train(True, opt_cls=SubAdamW)
     _check(_rel_err(ours, plain), plain_norms, our_norms)
 
 
 def test_bf16_trains_and_saves_fp32_master_weights():
-    _reset_accelerate()
+    reset_accelerate()
     accelerator = Accelerator(mixed_precision="bf16")
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

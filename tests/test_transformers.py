@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from _accelerate_state import reset_accelerate  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lightning_zero_offload.transformers import (  # noqa: E402
@@ -24,11 +24,9 @@ STEPS = 6
 def _clean_state(monkeypatch):
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def _model() -> LlamaForCausalLM:
@@ -81,7 +79,7 @@ def _rel_err(a: dict, b: dict) -> float:
 def test_trainer_matches_plain_trainer(tmp_path):
     plain = Trainer(model=_model(), args=_args(tmp_path / "plain"), train_dataset=_Data())
     plain.train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                               args=_args(tmp_path / "zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))
@@ -124,7 +122,7 @@ def test_flag_off_is_plain_trainer(tmp_path):
 
 def test_resume_from_checkpoint_equals_straight_run(tmp_path):
     def make(out):
-        AcceleratorState._reset_state(True)
+        reset_accelerate()
         return ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
             args=_args(out, ZeroOffloadTrainingArguments, zero_offload=True, save_strategy="steps",
@@ -149,13 +147,13 @@ def test_bad_options_raise(tmp_path):
             args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
                        zero_offload_config='{"max_grad_norm": 1.0}'),
         ).train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     with pytest.raises(TypeError, match="AdamW"):
         ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
             args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, optim="sgd"),
         ).train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     with pytest.raises(TypeError, match="unknown option"):
         ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
@@ -173,7 +171,7 @@ def test_precision_is_the_trainers_and_an_explicit_other_one_raises(tmp_path):
     ours.train()
     assert ours.zero_offload_engine is not None
     assert ours.zero_offload_engine.config.precision == "bf16-mixed"
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     match = (r"precision='bf16-mixed'\) does not match TrainingArguments\(bf16=False, "
              r"fp16=False\), which means precision '32-true'")
     with pytest.raises(ValueError, match=match):
@@ -190,7 +188,7 @@ class SubAdamW(torch.optim.AdamW):
 
 def test_adamw_subclass_matches_plain_trainer(tmp_path):
     def run(cls, out, **kw):
-        AcceleratorState._reset_state(True)
+        reset_accelerate()
         model = _model()
         opt = SubAdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
         trainer = cls(model=model, train_dataset=_Data(), optimizers=(opt, None),
@@ -210,8 +208,7 @@ def _compare_trainers(rank: int, world: int, out: str) -> tuple:
     plain = Trainer(model=_model(), args=_args(f"{out}/plain"), train_dataset=_Data())
     plain.train()
     assert plain.accelerator.num_processes == world and plain.args.world_size == world
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                               args=_args(f"{out}/zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))

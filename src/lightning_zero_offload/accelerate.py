@@ -114,7 +114,7 @@ class ZeroOffloadAcceleratedOptimizer(AcceleratedOptimizer):
         self._saving = False  # set by the save_state hook: state_dict() returns the marker once
         self._loaded = False  # set by the load_state hook: the marker is then accepted once
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], object] | None = None) -> None:
         if closure is not None:
             raise ValueError("ZeRO-Offload's optimizer.step() takes no closure")
         if self.gradient_state.sync_gradients:
@@ -160,7 +160,7 @@ class ZeroOffloadPlugin:
         config: ZeroOffloadConfig | None = None,
         *,
         enabled: bool | None = None,
-        **overrides: Any,
+        **overrides: object,
     ) -> None:
         check_option_names(overrides, "ZeroOffloadPlugin")
         self.enabled = zero_offload_enabled() if enabled is None else bool(enabled)
@@ -223,7 +223,7 @@ class ZeroOffloadPlugin:
         return (module, wrapped, *(rest if len(other) > 1 else (rest,) if other else ()))
 
 
-def _check_supported(accelerator: Accelerator, model: Any, optimizer: Any) -> None:
+def _check_supported(accelerator: Accelerator, model: object, optimizer: object) -> None:
     if accelerator.distributed_type not in _SUPPORTED:
         raise ValueError(
             f"ZeRO-Offload runs on one or several processes without another sharding backend; "

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.cloud_io import _load
+from lightning.fabric.utilities.types import _PATH
 
+from lightning_zero_offload.core import ZeroOffload
 from lightning_zero_offload.core import state as engine_state
 
 META = "meta.pt"
@@ -46,11 +48,12 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
     return state
 
 
-def is_sharded(path: Any) -> bool:
+def is_sharded(path: object) -> bool:
     return isinstance(path, (str, os.PathLike)) and (Path(path) / META).is_file()
 
 
-def save_sharded(engine: Any, meta: dict[str, Any], path: Any, is_global_zero: bool) -> None:
+def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH,
+                 is_global_zero: bool) -> None:
     """Collective: every rank writes its shard, then rank 0 adds ``meta``."""
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -66,7 +69,7 @@ def save_sharded(engine: Any, meta: dict[str, Any], path: Any, is_global_zero: b
         engine_state.atomic_save({**meta, _ALIASES: aliases}, path / META)
 
 
-def load_sharded_meta(path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
     """Rank 0's metadata; ``SHARDED_KEY`` names the directory for ``engine.load_checkpoint``."""
     meta = _load(Path(path) / META, map_location="cpu", weights_only=bool(weights_only))
     meta.pop(_ALIASES, None)

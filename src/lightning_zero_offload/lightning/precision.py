@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
@@ -142,7 +143,7 @@ class _EngineDriver:
             )
         self._engine().backward(tensor)
 
-    def _step(self, optimizer: Any) -> Tensor | None:
+    def _step(self, optimizer: Optimizable) -> Tensor | None:
         """The optimizer facade's step (so torch's step hooks run); returns the pre-clip global
         gradient norm, or None when no backward ran (the engine then skips the step, as AdamW
         skips parameters without gradients)."""

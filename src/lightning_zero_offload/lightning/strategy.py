@@ -10,7 +10,7 @@ LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Tr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -19,13 +19,14 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffloadConfig
@@ -191,7 +192,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+        model: LightningModule | Module | None = None, **kwargs: Any
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._log_step()

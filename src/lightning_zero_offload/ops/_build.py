@@ -86,7 +86,8 @@ def cache_key(src: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C++ compiler a build would use (``$CXX``, else ``c++``), or None when there is none."""
     cxx = os.environ.get("CXX", "c++").split()
     return shutil.which(cxx[0]) if cxx else None
 
@@ -160,7 +161,7 @@ def load() -> ModuleType | None:
             return _ext
         build_dir = build_root() / cache_key()
         module = _import_built(build_dir)
-        if module is None and _compiler() is None:
+        if module is None and find_compiler() is None:
             if mode == "cpp":
                 raise RuntimeError(
                     f"lightning-zero-offload: {ENV_KERNEL}=cpp but no C++ compiler was found "
