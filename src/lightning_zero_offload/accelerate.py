@@ -40,6 +40,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
+from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.core.config_env import (
@@ -114,6 +115,7 @@ class ZeroOffloadAcceleratedOptimizer(AcceleratedOptimizer):
         self._saving = False  # set by the save_state hook: state_dict() returns the marker once
         self._loaded = False  # set by the load_state hook: the marker is then accepted once
 
+    @override
     def step(self, closure: Callable[[], object] | None = None) -> None:
         if closure is not None:
             raise ValueError("ZeRO-Offload's optimizer.step() takes no closure")
@@ -124,15 +126,18 @@ class ZeroOffloadAcceleratedOptimizer(AcceleratedOptimizer):
             mark_stepped(self._user_optimizer)
 
     @property
+    @override
     def step_was_skipped(self) -> bool:
         return bool(self.engine.last_step_skipped)
 
+    @override
     def state_dict(self) -> dict:
         if self._saving:  # accelerate's save_state: the shards are in CHECKPOINT_SUBDIR
             self._saving = False
             return {_SHARDED_MARKER: CHECKPOINT_SUBDIR, "world_size": self.engine.world_size}
         return self.optimizer.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         if _SHARDED_MARKER in state_dict:
             if not self._loaded:

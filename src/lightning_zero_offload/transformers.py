@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
+from typing_extensions import override
 
 from lightning_zero_offload.accelerate import (
     ZeroOffloadAcceleratedOptimizer,
@@ -64,6 +65,7 @@ class ZeroOffloadTrainingArguments(TrainingArguments):
                 raise ValueError(f"zero_offload_config is not valid JSON: {e}") from None
 
     @property
+    @override
     def place_model_on_device(self) -> bool | None:
         # The engine moves the model itself, in the compute dtype: never a full fp32 copy.
         return False if _enabled(self) else super().place_model_on_device
@@ -112,10 +114,12 @@ class ZeroOffloadMixin(_TrainerBase):
         plugin = self._zero_offload_plugin()
         return plugin.engine if plugin is not None else None
 
+    @override
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if self._zero_offload_plugin() is None:
             super()._move_model_to_device(model, device)
 
+    @override
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         plugin = self._zero_offload_plugin()
@@ -138,6 +142,7 @@ class ZeroOffloadMixin(_TrainerBase):
         self.model_wrapped = self.model
         return self.optimizer
 
+    @override
     def train(self, *args: Any, **kwargs: Any) -> Any:
         output = super().train(*args, **kwargs)
         engine = self.zero_offload_engine
@@ -145,12 +150,14 @@ class ZeroOffloadMixin(_TrainerBase):
             engine.synchronize()  # a delayed update still in flight lands in self.model
         return output
 
+    @override
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.zero_offload_engine
         if engine is not None:
             engine.synchronize()  # evaluate the latest weights, not one step stale
         return super().evaluation_loop(*args, **kwargs)
 
+    @override
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         engine = self.zero_offload_engine
         if engine is None:
@@ -159,6 +166,7 @@ class ZeroOffloadMixin(_TrainerBase):
         if self.args.should_save:
             torch.save(self._scheduler().state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    @override
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         engine = self.zero_offload_engine
         if engine is None or checkpoint is None:
@@ -175,6 +183,7 @@ class ZeroOffloadMixin(_TrainerBase):
                                f"{type(scheduler).__name__}")
         return scheduler
 
+    @override
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The fp32 master weights (collective: call it on every rank, as the Trainer does)."""
         engine = self.zero_offload_engine
