@@ -2,14 +2,19 @@
 """The README's two commands: ``python3 tasks.py train`` and ``python3 tasks.py test``.
 
 Each creates ``.venv`` next to this file on first use and installs what it needs into it, so a
-fresh clone needs nothing but Python. Torch is pinned here (``LZO_TORCH`` overrides the pin, for
-example with a CUDA build on a GPU machine); the package itself only asks for a range.
+fresh clone needs nothing but Python, network access to PyPI on the first call, and a C++
+compiler for the CPU Adam kernel (built on first use). Torch is pinned here to ``torch==2.13.0``
+from whatever index pip uses (from PyPI on Linux that is the CUDA build); ``LZO_TORCH`` overrides
+the pin and may carry pip options, e.g. ``LZO_TORCH="torch==2.13.0 --index-url
+https://download.pytorch.org/whl/cpu"`` for the CPU-only build. The package itself only asks for
+a range.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import subprocess
 import sys
 import venv
@@ -28,8 +33,19 @@ def _run(*cmd: object) -> None:
     subprocess.run([str(c) for c in cmd], cwd=ROOT, check=True)
 
 
+def torch_args() -> list[str]:
+    """pip arguments for torch: the pin, or ``LZO_TORCH`` split like a shell would."""
+    args = shlex.split(TORCH)
+    if not args:
+        raise SystemExit("LZO_TORCH is empty: unset it, or give a pip requirement such as "
+                         "'torch==2.13.0'")
+    return args
+
+
 def ensure_venv() -> Path:
-    """Create the venv and install torch plus this package with every extra, once per pyproject."""
+    """Create the venv and install torch plus this package with every extra (``all``: the
+    Lightning, Accelerate, transformers, TRL/PEFT and plot extras) and the dev tools, once per
+    pyproject and torch pin."""
     py = _python()
     if not py.exists():
         venv.EnvBuilder(with_pip=True).create(VENV)
@@ -38,7 +54,7 @@ def ensure_venv() -> Path:
     if not stamp.exists():
         pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
         _run(*pip, "--upgrade", "pip")
-        _run(*pip, TORCH)
+        _run(*pip, *torch_args())
         _run(*pip, "-e", ".[all,dev]")
         stamp.touch()
     return py

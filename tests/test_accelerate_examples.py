@@ -35,7 +35,7 @@ def _load_recipe():
     return module
 
 
-def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch):
+def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch, capsys):
     from _accelerate_state import reset_accelerate
 
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
@@ -52,6 +52,7 @@ def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch):
     losses = recipe.train()
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses
+    assert "ZeRO-Offload profile, median of 24 steps (steps 1-24)" in capsys.readouterr().out
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "out" / "model.safetensors")
@@ -74,6 +75,7 @@ def test_finetune_recipe_two_processes_torchrun(text_file):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ZeRO-Offload: on, processes: 2" in run.stdout, run.stdout
+    assert run.stdout.count("ZeRO-Offload profile, median of 16 steps") == 1, run.stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", run.stdout)]
     assert len(losses) == 16
     assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4, losses

@@ -75,7 +75,7 @@ def test_kernel_env_values(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None
         _build.load()
 
 
-def test_failing_compile_raises_clear_error(fresh: Path) -> None:
+def test_failing_compile_raises_clear_error(fresh: Path, capsys) -> None:
     if _build.find_compiler() is None:
         pytest.skip("no C++ compiler here")
     broken = fresh / "broken"
@@ -87,6 +87,8 @@ def test_failing_compile_raises_clear_error(fresh: Path) -> None:
     assert "building the C++ CPU Adam kernel" in message
     assert "lzo_broken_source_marker" in message  # the compiler's own words
     assert "LZO_KERNEL=reference" in message and "g++" in message  # what to do
+    # the ~20 s pause of a real first build is announced (once, on stderr) before compiling
+    assert capsys.readouterr().err.count("building the CPU Adam kernel (first use, ~20 s)") == 1
 
 
 def test_prebuilt_read_only_dir_loads_without_compiler(fresh: Path, monkeypatch, capsys) -> None:
@@ -113,6 +115,7 @@ def test_prebuilt_read_only_dir_loads_without_compiler(fresh: Path, monkeypatch,
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
+        assert "building the CPU Adam kernel" not in proc.stderr  # loading is not building
         file, backend, value = proc.stdout.split()
         assert Path(file).parent == target and backend == "cpp" and abs(float(value) - 0.5) < 1e-6
         assert _build.main([str(root)]) == 0

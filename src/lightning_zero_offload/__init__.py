@@ -8,10 +8,11 @@ lightning_zero_offload``.
 from lightning_zero_offload import ops
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.cpu_adam import CPUAdam
+from lightning_zero_offload.planner import plan
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["ops", "__version__", "CPUAdam", "ZeroOffload", "ZeroOffloadConfig"]
+__all__ = ["ops", "__version__", "CPUAdam", "ZeroOffload", "ZeroOffloadConfig", "plan"]
 
 # Lightning adapter: importing the package registers strategy="zero_offload" (Trainer and Fabric).
 import importlib.util as _importlib_util  # noqa: E402

@@ -40,6 +40,19 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+def resolve_pinned(pin_memory: bool | None, device: torch.device) -> bool:
+    """Pinned host staging: by default exactly when the compute device is a GPU."""
+    if pin_memory and device.type != "cuda":
+        raise ValueError("ZeroOffload: pin_memory=True needs a CUDA compute device")
+    return device.type == "cuda" if pin_memory is None else pin_memory
+
+
+def rank_and_world(group: object | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)  # type: ignore[arg-type]
+    return 0, 1
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """Validate the user's optimizer; return whether weight decay is decoupled (AdamW).
 
@@ -115,6 +128,23 @@ def check_params(module: nn.Module, optimizer: torch.optim.Optimizer
         )
     trainable = [[p.requires_grad for p in g["params"]] for g in optimizer.param_groups]
     return trainable, order, names
+
+
+def check_unchanged(groups: list[dict], setup_groups: list[list], module: nn.Module,
+                    num_params: int) -> None:
+    """The optimizer's groups and the module's parameters are still those of setup."""
+    if len(groups) != len(setup_groups) or any(
+        len(g["params"]) != len(ref)
+        or any(p is not q for p, q in zip(g["params"], ref, strict=True))
+        for g, ref in zip(groups, setup_groups, strict=True)
+    ):
+        raise RuntimeError(
+            "ZeroOffload: the optimizer's parameters changed after setup (added, removed or "
+            "replaced); create the optimizer with all parameters before ZeroOffload")
+    if len(list(module.parameters())) != num_params:
+        raise RuntimeError(
+            "ZeroOffload: the module gained or lost parameters after setup; add all "
+            "submodules before creating ZeroOffload")
 
 
 def cast_floats(x: Any, dtype: torch.dtype) -> Any:

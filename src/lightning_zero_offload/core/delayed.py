@@ -9,7 +9,9 @@ worker, all-gathers the other ranks' shards into the spare buffer and swaps the 
 weights are in place before step i+2's forward. Everything that involves other ranks or the
 user's live state (gradient wait, global norm, loss scale, clip coefficient, learning rate) is
 settled on the caller's thread before the worker starts, collectives stay on the caller's thread,
-and the worker touches only buffers no one else uses until it is joined.
+and the worker touches only buffers no one else uses until it is joined. The worker never runs a
+collective, also when it runs a warm-up step or a step bound to ``cpu_affinity`` cores: the
+all-gathers of those steps follow on the caller's thread once the kernel is done.
 
 Core binding (``cpu_affinity``) applies to the worker thread and to the kernel's helper threads
 it starts; the kernel's pool is per process, so helpers started earlier by another thread keep
@@ -23,6 +25,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from lightning_zero_offload.core.profile import ProfileRecorder
 
 
 def _init_thread(cores: Sequence[int] | None, device: torch.device | None) -> None:
@@ -63,6 +67,51 @@ class CpuStepWorker:
     def close(self) -> None:
         self._future = None
         self._pool.shutdown(wait=True)
+
+
+class DelayedUpdate:
+    """The one step whose CPU step runs on the worker: submitted by ``step()``, joined locally
+    (``join``, never a collective), landed by the next collective call (``land``: the gather of
+    the other ranks' shards and the swap, done by ``land_fn``)."""
+
+    def __init__(self, worker: CpuStepWorker, profile: ProfileRecorder,
+                 land_fn: Callable[[], None]) -> None:
+        self.worker, self.profile, self._land_fn = worker, profile, land_fn
+        self.pending: int | None = None
+        self._joined = False
+
+    def submit(self, step: int, fn: Callable[..., None], *args: object) -> None:
+        self.worker.submit(fn, *args)
+        self.pending, self._joined = step, False
+
+    def join(self) -> None:
+        """Wait for the worker (the wait is the step's exposed stall)."""
+        k = self.pending
+        if k is None or self._joined:
+            return
+        self._joined = True
+        with self.profile.span("stall", k):
+            try:
+                self.worker.wait()
+            except Exception as e:
+                self.pending = None
+                self.profile.close(k)
+                raise RuntimeError(
+                    f"ZeroOffload: the delayed CPU step of step {k} failed on its worker thread "
+                    f"({type(e).__name__}: {e}); the host optimizer state may be partly "
+                    "updated, so resume from a checkpoint") from e
+
+    def land(self) -> None:
+        """Collective with several ranks: step i's weights become the module's."""
+        self.join()
+        k, self.pending = self.pending, None
+        if k is None:
+            return
+        try:
+            with self.profile.span("stall", k):
+                self._land_fn()
+        finally:
+            self.profile.close(k)
 
 
 def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -105,7 +105,8 @@ class SyncDevice:
     def compute_point(self) -> None:
         pass
 
-    def host_task(self, fn: Callable[[], None]) -> Future:
+    def host_task(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the host off the calling thread; tasks run one at a time, in order."""
         f: Future = Future()
         f.set_result(fn())
         return f
@@ -181,7 +182,7 @@ class CudaDevice(SyncDevice):
     def compute_waits(self, stream: object) -> None:
         self._compute().wait_stream(stream)  # type: ignore[arg-type]
 
-    def host_task(self, fn: Callable[[], None]) -> Future:
+    def host_task(self, fn: Callable[[], object]) -> Future:
         return self._tasks.submit(fn)
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
@@ -318,7 +319,7 @@ class EmulatedDevice(SyncDevice):
         for e in waits:
             e.wait()
 
-    def host_task(self, fn: Callable[[], None]) -> Future:
+    def host_task(self, fn: Callable[[], object]) -> Future:
         return self._tasks.submit(fn)
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:

@@ -16,22 +16,21 @@ import os
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero_offload.core import checks
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import CpuStepWorker, default_threads
+from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, default_threads
 from lightning_zero_offload.core.device import make_device
-from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.host import HostBuffers, budget
 from lightning_zero_offload.core.layout import build_layout, shard_pieces
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
 from lightning_zero_offload.core.preflight import check_host_memory
-from lightning_zero_offload.core.profile import ProfileRecorder, StepProfile
+from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT, GradStreamer
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.weights import DeviceWeights, frozen_bytes, untrained_bytes
 
 
 class ZeroOffload:
@@ -46,25 +45,17 @@ class ZeroOffload:
         self.config = config = config.replace(**overrides) if overrides else config
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
-        if config.pin_memory and self.device.type != "cuda":
-            raise ValueError("ZeroOffload: pin_memory=True needs a CUDA compute device")
-        pinned = self.device.type == "cuda" if config.pin_memory is None else config.pin_memory
+        pinned = checks.resolve_pinned(config.pin_memory, self.device)
         self.process_group = process_group
-        if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(process_group)
-            self.world_size = dist.get_world_size(process_group)
-        else:
-            self.rank, self.world_size = 0, 1
+        self.rank, self.world_size = checks.rank_and_world(process_group)
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
         self.module, self.inner_optimizer = module, optimizer
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
         elem = torch.empty((), dtype=dtype).element_size()
-        self.layout = build_layout(
-            self._groups, trainable, order, names, self.world_size,
-            max(1, int(config.bucket_size_mb * 2**20 / elem)),
-        )
+        self.layout = build_layout(self._groups, trainable, order, names, self.world_size,
+                                   max(1, int(config.bucket_size_mb * 2**20 / elem)))
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
@@ -78,15 +69,16 @@ class ZeroOffload:
         self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
                                         delayed=delayed, pinned=pinned, out_direct=out_direct)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        frozen_bytes = sum(p.numel() * p.element_size() for p in module.parameters()
-                           if id(p) not in trained and p.is_floating_point()
-                           and p.dtype != dtype)
-        self.host_bytes = host.sizes.total + frozen_bytes
-        if self.device.type == "cpu":  # the "device" weights and bucket buffers are host memory
-            elem = torch.empty((), dtype=dtype).element_size()
-            self.host_bytes += sum(layout.group_numel) * elem * (2 if delayed else 1)
-            self.host_bytes += (MAX_IN_FLIGHT + 1) * max(
-                (b.numel for b in layout.buckets), default=0) * elem
+        # On the CPU the bucket buffers are host memory too: a synchronous flush frees its buffer
+        # at once (and its shard, with several ranks); an emulated stream holds a few.
+        in_flight = MAX_IN_FLIGHT + 1 if dev.asynchronous else 1 + (self.world_size > 1)
+        sizes = budget(host.sizes, sum(layout.group_numel),
+                       max((b.numel for b in layout.buckets), default=0), dtype,
+                       cpu=self.device.type == "cpu", delayed=delayed,
+                       frozen_bytes=frozen_bytes(module, trained, dtype),
+                       untrained_bytes=untrained_bytes(module, trained, dtype),
+                       buckets_in_flight=in_flight)
+        self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
         if config.check_host_memory:
             check_host_memory(self.host_bytes, self.rank)
         with torch.no_grad():  # the master weights, from the user's weights before casting
@@ -98,7 +90,10 @@ class ZeroOffload:
                                       self._profile)
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
-        self._input_hook = module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
+        self._timer = PassTimer(self._profile)
+        self._hooks = [module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)]
+        self._hooks += [m.register_forward_pre_hook(self._forward_started) for m in module.modules()
+                        if m is not module and next(m.parameters(recurse=False), None) is not None]
         # Many loops (the transformers Trainer among them) zero gradients through the model; ours
         # live in the engine's buffers, not in `param.grad`, so the model's zero_grad clears them.
         module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
@@ -110,23 +105,22 @@ class ZeroOffload:
                                 process_group=self.process_group, threads=threads,
                                 out_direct=out_direct, profile=self._profile)
         self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
-        self._pending: int | None = None  # the step whose delayed CPU step is running
-        self._joined = False  # its worker finished; the gather and swap are still to come
+        self._delayed = (DelayedUpdate(self._worker, self._profile, self._swap_in)
+                         if self._worker is not None else None)
         self._calls = 0  # step() calls, the profile's step numbers
-        self._fb_start: float | None = None
-        self._bwd_end: float | None = None
-        self._no_sync = False
-        self._closed = False
+        self._no_sync = self._closed = False
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
                                   config.precision)
 
     # -- forward / backward ------------------------------------------------------------------
-    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _forward_started(self, *_: object) -> None:
         self._dev.compute_point()  # the forward reads the weights: their copies come first
-        if self._fb_start is None and torch.is_grad_enabled():
-            self._fb_start = self._profile.now()
+        self._timer.forward_started()
+
+    def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._forward_started()
         return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
             kwargs, self.compute_dtype)
 
@@ -147,9 +141,8 @@ class ZeroOffload:
         return self._stepper.last_step_skipped
 
     def backward(self, loss: Tensor, *, sync_gradients: bool = True) -> None:
-        """``loss.backward()`` (times the loss scale for fp16); gradients add up until ``step``.
-        With ``sync_gradients=False`` they stay on the device and are reduced with the next
-        synchronizing backward (as DDP's ``no_sync``)."""
+        """``loss.backward()`` (times the fp16 loss scale); gradients add up until ``step``;
+        ``sync_gradients=False`` keeps them on the device for the next synchronizing one."""
         self._check_open()
         scaler = self._stepper.scaler
         if scaler is not None:
@@ -165,7 +158,7 @@ class ZeroOffload:
             raise
         finally:
             streamer.sync = not self._no_sync
-        self._bwd_end = self._profile.now()
+        self._timer.backward_ended()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -178,38 +171,33 @@ class ZeroOffload:
 
     # -- step ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Global gradient norm over all ranks (as ``torch.nn.utils.clip_grad_norm_`` on the
-        whole model), folding the clip coefficient into the next ``step``. Returns the norm
-        before this clip."""
+        """Collective. ``torch.nn.utils.clip_grad_norm_`` over the whole model on all ranks, the
+        coefficient folded into the next ``step``; returns the norm before this clip."""
         self._check_open()
         return torch.tensor(self._stepper.clip_grad_norm_(max_norm, norm_type))
 
     def step(self) -> Tensor | None:
-        """Collective. One optimizer step over this rank's shard. Returns the global pre-clip
-        gradient norm (None when neither clipping nor loss scaling needed it). With delayed
-        update past its warm-up, the CPU step runs on the worker and lands at the next
-        ``step()``."""
+        """Collective. One step over this rank's shard; returns the global pre-clip gradient norm
+        (None when not needed). With delayed update past its warm-up the CPU step runs on the
+        worker and lands at the next ``step()``."""
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
         self._check_open()
         self._check_params()
         self._calls += 1
-        k, prof, weights = self._calls, self._profile, self._weights
-        if self._fb_start is not None and self._bwd_end is not None:
-            prof.add("fwd_bwd", k, self._fb_start, self._bwd_end)
-        self._fb_start = self._bwd_end = None
+        k, prof, weights, cfg = self._calls, self._profile, self._weights, self.config
+        self._timer.close(k)
         plan = self._stepper.decide(self.optimizer.param_groups, k)
         self._streamer.profile_step = k + 1
         self._land_delayed()  # step k-1's update lands now, before step k+1's forward
         run = self._stepper.run_kernel
         if plan is None:
             prof.close(k)
-        elif self._delayed_now():
+        elif cfg.delayed_update and self._stepper.steps[0] > cfg.delayed_update_warmup:
             sources = self._streamer.sources()
             self._host.swap()  # the worker reads these; the next backward fills the other set
             weights.begin_push()
-            assert self._worker is not None and weights.spare is not None
-            self._worker.submit(run, plan, sources, k, weights.spare, False)
-            self._pending, self._joined = k, False
+            assert self._delayed is not None and weights.spare is not None
+            self._delayed.submit(k, run, plan, sources, k, weights.spare, False)
         else:
             with prof.span("stall", k):
                 sources = self._streamer.sources()
@@ -223,48 +211,20 @@ class ZeroOffload:
             prof.close(k)
         return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
 
-    def _delayed_now(self) -> bool:
-        """Past the warm-up, this step's CPU step goes to the worker."""
-        cfg = self.config
-        return cfg.delayed_update and self._stepper.steps[0] > cfg.delayed_update_warmup
-
     def _gather(self, target: list[Tensor]) -> None:
         if self.world_size > 1:
             for b in range(len(self.layout.buckets)):
                 self._weights.gather(b, target)
 
-    def _join_delayed(self) -> None:
-        """Local: wait for the delayed CPU step (its exposed stall)."""
-        k = self._pending
-        if k is None or self._joined:
-            return
-        self._joined = True
-        with self._profile.span("stall", k):
-            try:
-                assert self._worker is not None
-                self._worker.wait()
-            except Exception as e:
-                self._pending = None
-                self._profile.close(k)
-                raise RuntimeError(
-                    f"ZeroOffload: the delayed CPU step of step {k} failed on its worker thread "
-                    f"({type(e).__name__}: {e}); the host optimizer state may be partly updated, "
-                    "so resume from a checkpoint") from e
+    def _swap_in(self) -> None:
+        """Step i's weights (written by the worker into the spare buffers) become live."""
+        self._gather(self._weights.spare)  # type: ignore[arg-type]
+        self._weights.end_push()
+        self._weights.swap()
 
     def _land_delayed(self) -> None:
-        """Collective with several ranks: gather the other ranks' shards into the spare weights
-        and make them the module's weights."""
-        self._join_delayed()
-        k, self._pending = self._pending, None
-        if k is None:
-            return
-        try:
-            with self._profile.span("stall", k):
-                self._gather(self._weights.spare)  # type: ignore[arg-type]
-                self._weights.end_push()
-        finally:
-            self._profile.close(k)
-        self._weights.swap()
+        if self._delayed is not None:  # collective with several ranks
+            self._delayed.land()
 
     def zero_grad(self) -> None:
         self._check_open()
@@ -279,7 +239,8 @@ class ZeroOffload:
         host state holds every step. With one rank the module's weights include the pending
         update too; with several they do after the next collective call (``step``,
         ``gather_weights``, ``full_state_dict``, ``save_checkpoint``, loads, ``teardown``)."""
-        self._join_delayed()
+        if self._delayed is not None:
+            self._delayed.join()
         if self.world_size == 1:
             self._land_delayed()
         self._streamer.drain()
@@ -293,21 +254,18 @@ class ZeroOffload:
 
     @property
     def profile(self) -> list[StepProfile]:
-        """Timings of the recent steps (see ``core.profile.StepProfile``), oldest first; a
-        delayed step appears once its update has landed."""
+        """Timings of the recent landed steps (``core.profile.StepProfile``), oldest first."""
         return self._profile.records
 
     @property
     def last_profile(self) -> StepProfile | None:
         """The newest landed step's timings; on CUDA waits for its weight copies."""
-        recs = self._profile.records
-        return recs[-1] if recs else None
+        return (self._profile.records or [None])[-1]
 
     def finished_profile(self) -> StepProfile | None:
-        """The newest step whose timings are all in, without waiting for the device: cheap
-        enough to log every step (on CUDA it may be the step before ``last_profile``)."""
-        recs = self._profile.finished()
-        return recs[-1] if recs else None
+        """The newest step whose timings are all in, without waiting for the device (cheap
+        enough for every step; on CUDA it may be the step before ``last_profile``)."""
+        return (self._profile.finished() or [None])[-1]
 
     # -- checks -------------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -315,69 +273,48 @@ class ZeroOffload:
             raise RuntimeError("ZeroOffload: this engine was torn down; create a new one")
 
     def _check_params(self) -> None:
-        groups = self.optimizer.param_groups
-        if len(groups) != len(self._groups) or any(
-            len(g["params"]) != len(ref)
-            or any(p is not q for p, q in zip(g["params"], ref, strict=True))
-            for g, ref in zip(groups, self._groups, strict=True)
-        ):
-            raise RuntimeError(
-                "ZeroOffload: the optimizer's parameters changed after setup (added, removed or "
-                "replaced); create the optimizer with all parameters before ZeroOffload")
-        if len(list(self.module.parameters())) != self._num_module_params:
-            raise RuntimeError(
-                "ZeroOffload: the module gained or lost parameters after setup; add all "
-                "submodules before creating ZeroOffload")
+        checks.check_unchanged(self.optimizer.param_groups, self._groups, self.module,
+                               self._num_module_params)
         self._weights.check_views()
 
     # -- state --------------------------------------------------------------------------------
     def _push_master(self) -> None:
         """Collective: the device weights from the master weights (after a load)."""
-        weights = self._weights
-        weights.wait_copies_read()
-        weights.begin_push()
-        for b in range(len(self.layout.buckets)):
-            weights.copy_shard(b, self._host.state(b)[0], weights.live)
-        weights.end_copies(None)
-        self._gather(weights.live)
-        weights.end_push()
+        host = self._host
+        self._weights.push([host.state(b)[0] for b in range(len(self.layout.buckets))],
+                           self._gather)
 
     def state_dict(self) -> dict:
-        """Local. This rank's shard. The tensors are the live buffers (as torch optimizers do):
-        save or copy them before training on."""
+        """Local. This rank's shard; its tensors are the live buffers (as torch's are)."""
         self.synchronize()
         return self._state.shard()
 
     def load_state_dict(self, state: dict) -> None:
-        """Collective. Resume from this rank's ``state_dict()`` (same world size and model); for
-        another world size use ``full_state_dict``/``load_full_state_dict`` or
-        ``load_checkpoint``."""
+        """Collective. Resume from this rank's ``state_dict()`` (same world size and model)."""
         self._check_open()
         self.gather_weights()
         self._state.load_shard(state)
         self._push_master()
 
     def full_state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict:
-        """Collective. ``{"model": fp32 module state_dict, "optimizer": torch AdamW format}``,
-        loadable into a plain model and ``torch.optim.AdamW``, or an engine of any world size.
-        ``optimizer=False`` (saving the trained weights) or ``model=False`` leaves that entry out
-        and does not gather it: the weights are a third of the state."""
+        """Collective. ``{"model": fp32 state_dict, "optimizer": torch AdamW format}`` for a plain
+        model, ``torch.optim.AdamW`` or an engine of any world size; ``optimizer=False`` or
+        ``model=False`` leaves that part out and does not gather it."""
         self._check_open()
         self.gather_weights()
         return self._state.full(model=model, optimizer=optimizer)
 
     def load_full_state_dict(self, state: dict) -> None:
-        """Collective. Load the consolidated form (from any world size), or a plain ``{"model":
-        model.state_dict(), "optimizer": AdamW.state_dict()}`` pair."""
+        """Collective. The consolidated form (any world size) or ``{"model": model.state_dict(),
+        "optimizer": AdamW.state_dict()}``."""
         self._check_open()
         self.gather_weights()
         self._state.load_full(state)
         self._push_master()
 
     def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True) -> None:
-        """Collective. ``sharded=True``: a folder with one file per rank (plus the module's
-        buffers and untrained parameters); ``False``: one consolidated file. Written under a
-        temporary name and renamed, so a crash never leaves a checkpoint that loads half."""
+        """Collective. ``sharded=True``: a folder of one file per rank; ``False``: one
+        consolidated file. Written under a temporary name and renamed (never half a checkpoint)."""
         self._check_open()
         self.gather_weights()
         self._state.save(path, sharded=sharded)
@@ -391,9 +328,8 @@ class ZeroOffload:
 
     # -- teardown -----------------------------------------------------------------------------
     def teardown(self, *, copy_weights_to_module: bool = True) -> None:
-        """Remove hooks and free host buffers. ``copy_weights_to_module=True`` (collective when
-        several ranks) gives the module back ordinary parameters holding the fp32 master weights
-        and restores the original dtypes of the other tensors."""
+        """Remove hooks and free buffers. ``copy_weights_to_module=True`` (collective) gives the
+        module ordinary fp32 master-weight parameters and its other tensors' original dtypes."""
         if self._closed:
             return
         if copy_weights_to_module:
@@ -403,7 +339,8 @@ class ZeroOffload:
         if self._worker is not None:
             self._worker.close()
         self._streamer.remove()
-        self._input_hook.remove()
+        for h in self._hooks:
+            h.remove()
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         if copy_weights_to_module:
             self._weights.restore(self._state.gather_full(self._host.master))

@@ -8,8 +8,8 @@ gradient and staging) receives the next backward while the step reads the first.
 
 :func:`plan` sizes exactly what :class:`HostBuffers` can ever allocate, pinned rounding included:
 torch's pinned allocator rounds every block up to a power of two, so staging and output slices
-are packed into a few power-of-two blocks (nothing is lost to rounding but the tail of the last
-one), and the one pinned whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
+are packed into a few power-of-two blocks (a few percent lost at most), and the one pinned
+whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
 of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only once
 a step accumulates several flushes of a bucket; it is budgeted anyway and allocated by
 :meth:`HostBuffers.need_fp32_grads`, called before a backward that accumulates, never in a hook.
@@ -37,19 +37,29 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def _arena_blocks(slices: list[int]) -> tuple[int, list[tuple[int, int]]]:
-    """Pack slices (bytes) into equal power-of-two blocks: (block bytes, [(block, offset)])."""
-    if not slices:
-        return 0, []
+def _arena_blocks(slices: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Pack slices (bytes) in order into power-of-two blocks: (block sizes, [(block, offset)]).
+    Full blocks of ``_MAX_BLOCK``; the rest in one rounded block when that wastes little, else
+    in halving blocks, so what is reserved stays within a few percent of what is used."""
     padded = [_round_up(s, _SLICE_ALIGN) for s in slices]
-    block = pinned_size(max(max(padded), min(sum(padded), _MAX_BLOCK)))
-    places, b, off = [], 0, 0
-    for s in padded:
-        if off + s > block:
-            b, off = b + 1, 0
-        places.append((b, off))
-        off += s
-    return block, places
+    blocks: list[int] = []
+    places: list[tuple[int, int]] = []
+    i = 0
+    while i < len(padded):
+        rest, big = sum(padded[i:]), pinned_size(max(padded[i:]))
+        if rest >= _MAX_BLOCK:
+            size = max(_MAX_BLOCK, big)
+        elif pinned_size(rest) <= rest * 1.03:
+            size = pinned_size(rest)
+        else:
+            size = max(big, 1 << (rest.bit_length() - 1))  # the largest power of two <= rest
+        off = 0
+        while i < len(padded) and off + padded[i] <= size:
+            places.append((len(blocks), off))
+            off += padded[i]
+            i += 1
+        blocks.append(size)
+    return blocks, places
 
 
 @dataclass
@@ -66,13 +76,22 @@ class Sizes:
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
          pinned: bool, out_direct: bool) -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring)."""
-    n, elem = layout.shard_numel, torch.empty((), dtype=dtype).element_size()
+    return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
+                       asynchronous=asynchronous, delayed=delayed, pinned=pinned,
+                       out_direct=out_direct)
+
+
+def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
+                asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool) -> Sizes:
+    """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
+    this rank's elements per group and per bucket."""
+    n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     half = dtype != torch.float32
     sets = 2 if delayed else 1
     parts = {"master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad_fp32": 4 * n * sets}
     if pinned and not half:  # "32-true" on CUDA: the master is the copies' pinned source
-        parts["master"] = sum(pinned_size(4 * k) for k in layout.group_shard_numel)
-    shard_bytes = [b.shard * elem for b in layout.buckets]
+        parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
+    shard_bytes = [k * elem for k in bucket_shards]
     arena = 0
     if asynchronous:
         arena += _arena_bytes(shard_bytes, pinned) * sets  # gradient staging
@@ -85,8 +104,23 @@ def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: boo
 def _arena_bytes(slices: list[int], pinned: bool) -> int:
     if not pinned:
         return sum(_round_up(s, _SLICE_ALIGN) for s in slices)
-    block, places = _arena_blocks(slices)
-    return block * (places[-1][0] + 1) if places else 0
+    return sum(_arena_blocks(slices)[0])
+
+
+def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.dtype, *,
+           cpu: bool, delayed: bool, frozen_bytes: int, untrained_bytes: int,
+           buckets_in_flight: int) -> Sizes:
+    """All host bytes of an engine: its buffers, the exact copies of frozen parameters and, with
+    the CPU as compute device, what lives on that "device": the weights (``device_numel``,
+    twice with delayed update), the module's other tensors in the compute dtype and the bucket
+    buffers in flight."""
+    parts = {**sizes.parts, "frozen_exact": frozen_bytes}
+    if cpu:
+        elem = torch.empty((), dtype=dtype).element_size()
+        parts["device_weights"] = device_numel * elem * (2 if delayed else 1)
+        parts["device_untrained"] = untrained_bytes
+        parts["buckets_in_flight"] = buckets_in_flight * max_bucket_numel * elem
+    return Sizes(parts)
 
 
 class _Arena:
@@ -96,10 +130,8 @@ class _Arena:
         elem = torch.empty((), dtype=dtype).element_size()
         sizes = [k * elem for k in numels]
         if pinned:
-            block, places = _arena_blocks(sizes)
-            nblocks = places[-1][0] + 1 if places else 0
-            self.blocks = [torch.empty(block, dtype=torch.uint8, pin_memory=True)
-                           for _ in range(nblocks)]
+            blocks, places = _arena_blocks(sizes)
+            self.blocks = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in blocks]
         else:
             offs, off = [], 0
             for s in sizes:

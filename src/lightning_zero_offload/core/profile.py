@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from lightning_zero_offload.core.device import Event
 
@@ -140,6 +142,29 @@ class ProfileRecorder:
         """Write the closed records as JSON (``benchmarks/timeline.py`` draws it)."""
         with open(path, "w") as f:
             json.dump({"records": [r.to_dict() for r in self.records]}, f)
+
+
+class PassTimer:
+    """A step's ``fwd_bwd`` span: the first forward (with grad) to the end of the last backward.
+    Every submodule that holds parameters reports its forward, so the span is measured however
+    the model is called (``self.backbone(x)`` in a ``training_step`` as well as ``model(x)``)."""
+
+    def __init__(self, recorder: ProfileRecorder) -> None:
+        self.recorder = recorder
+        self.start: float | None = None
+        self.end: float | None = None
+
+    def forward_started(self) -> None:
+        if self.start is None and torch.is_grad_enabled():
+            self.start = self.recorder.now()
+
+    def backward_ended(self) -> None:
+        self.end = self.recorder.now()
+
+    def close(self, step: int) -> None:
+        if self.start is not None and self.end is not None:
+            self.recorder.add("fwd_bwd", step, self.start, self.end)
+        self.start = self.end = None
 
 
 def summarize(records: list[StepProfile]) -> dict[str, float]:

@@ -250,13 +250,13 @@ class GradStreamer:
             return
         # A later flush: the previous one leaves staging for the fp32 gradient first, on a host
         # task (waiting for its copy and adding on the autograd thread would starve the device).
+        # Host tasks run one at a time in submission order, so this bucket's previous task (and
+        # with it the copy it queued) is done when this one starts.
         self.host.need_fp32_grads()  # normally done by ZeroOffload.backward, before autograd
-        prev, into_empty = self._tasks[b], self._moved[b] == 0
+        into_empty = self._moved[b] == 0
         self._moved[b] += 1
 
         def move_then_copy() -> Event:
-            if prev is not None:
-                prev.result()
             pending = self._pending[b]
             if pending is not None:
                 pending.wait()

@@ -15,6 +15,8 @@ rewrites a copy's source only after waiting for the end of the previous push.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -26,6 +28,23 @@ from lightning_zero_offload.core.profile import ProfileRecorder
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
+    """Host bytes of the exact copies of frozen parameters the compute dtype would round."""
+    return sum(p.numel() * p.element_size() for p in _frozen(module, trained, dtype))
+
+
+def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
+    """Bytes of the module's other tensors once floats are cast to the compute dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
+               for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)
+
+
+def _frozen(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> list[Tensor]:
+    return [p for p in module.parameters() if id(p) not in trained
+            and p.is_floating_point() and p.dtype != dtype]
+
+
 class DeviceWeights:
     def __init__(self, layout: Layout, module: nn.Module, dtype: torch.dtype, dev: SyncDevice,
                  rank: int, trained: dict[int, str], delayed: bool,
@@ -34,9 +53,8 @@ class DeviceWeights:
         self.dtype, self.profile = dtype, profile
         self.world_size = layout.world_size
         device = dev.device
-        frozen = [p for p in module.parameters() if id(p) not in trained
-                  and p.is_floating_point() and p.dtype != dtype]
-        self.frozen = {id(p): p.detach().to("cpu", copy=True) for p in frozen}
+        self.frozen = {id(p): p.detach().to("cpu", copy=True)
+                       for p in _frozen(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
         self.trained = trained
         self.live = [torch.zeros(k, dtype=dtype, device=device) for k in layout.group_numel]
@@ -50,10 +68,6 @@ class DeviceWeights:
         self._stream = dev.side_stream("h2d") if dev.asynchronous else None
         self._last: Event | None = None  # end of the last push: its copies have read the host
         self._begin: tuple[float, Event] | None = None
-
-    @property
-    def frozen_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.frozen.values())
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +139,17 @@ class DeviceWeights:
         last, self._last = self._last, None
         if last is not None:
             last.wait()
+
+    def push(self, sources: list[Tensor], gather: Callable[[list[Tensor]], None]) -> None:
+        """A whole push into the live weights from per-bucket host ``sources`` (after a load);
+        ``gather`` all-gathers them (collective with several ranks)."""
+        self.wait_copies_read()
+        self.begin_push()
+        for b, src in enumerate(sources):
+            self.copy_shard(b, src, self.live)
+        self.end_copies(None)
+        gather(self.live)
+        self.end_push()
 
     def abandon_push(self) -> None:
         """After a failure between ``copy_shard`` and ``end_copies``: nothing stays half-open."""

@@ -1,0 +1,392 @@
+"""Will it fit? Device and host bytes of a ZeRO-Offload run, before building anything.
+
+``plan(7e9, precision="bf16-mixed", device_memory="24GiB", host_memory="128GiB")`` (or the
+``lzo-plan`` command) counts what the engine allocates for a model of that many parameters, says
+whether it fits, the largest model that would, and predicts the CPU step's time from a 0.2 s
+measurement of the fused AdamW kernel on this host.
+
+``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
+ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
+``bf16-mixed``/``16-mixed``, 4 for ``32-true``):
+
+host, per rank
+    exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
+    functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
+    master weights, ``exp_avg`` and ``exp_avg_sq`` ``12 S``; the fp32 gradient ``4 S`` (on a
+    GPU it is allocated only when gradients accumulate, but it is budgeted); on a GPU the
+    gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
+    into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
+    two; the fp32 master, pinned in ``32-true``, is rounded whole); with delayed update a second
+    fp32 gradient and staging; the exact copies of frozen parameters ``4 F`` in half precision.
+    With the CPU as compute device the "device" is the host: add the flat weights ``h P`` (twice
+    with delayed update), the frozen ones in the compute dtype ``h F`` and one bucket buffer
+    (two with several ranks).
+device (CUDA)
+    the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
+    update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
+    reduced and copied out: ``core.streaming.MAX_IN_FLIGHT``) and, when ``batch_size``/
+    ``seq_len`` and a model config are given, an activation estimate for a decoder-only
+    transformer without recomputation (Korthikanti et al. 2022, 16-bit:
+    ``s b H (34 + 5 a s / H)`` bytes per layer, plus the logits ``s b V (h + 4)``; fused
+    attention kernels drop most of the ``5 a s / H`` term). Not counted: the CUDA context
+    (~0.5 GiB), allocator fragmentation, torch's workspace.
+
+Parameter alignment pads every parameter to 16 elements (not counted: under 0.1% for real
+models) and every bucket to ``16 W`` (counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Plan", "plan", "parse_bytes", "model_info", "main"]
+
+_ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+GiB = 2**30
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``24GiB``, ``24 GB``, ``2.5e10`` or a number of bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {value!r} as a size: use e.g. 24GiB, 80GB or 2.5e10")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _parse_count(value: int | float | str) -> int:
+    """``7e9``, ``7B``, ``350M`` or an int: a parameter count."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(value))
+    if not m:
+        raise ValueError(f"cannot read {value!r} as a parameter count: use e.g. 7e9 or 7B")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def _pinned(nbytes: int) -> int:
+    """CUDA's caching host allocator hands out a power of two for every pinned request."""
+    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+
+
+def _safetensors_params(folder: Path) -> int | None:
+    """Parameter count from the headers of the *.safetensors files (reads no weights)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def model_info(path: str | os.PathLike) -> dict[str, Any]:
+    """Parameter count and shape of a local HF model: a folder (config.json, weights) or a
+    config.json. Counted from safetensors headers when there are weights, else by building the
+    model on the meta device from its config (needs transformers; allocates nothing)."""
+    path = Path(path)
+    cfg_file = path / "config.json" if path.is_dir() else path
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"lzo-plan: no config.json at {path} (give a local model folder "
+                                "or its config.json; the planner never downloads)")
+    cfg = json.loads(cfg_file.read_text())
+    text = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    info = {k: text.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "vocab_size")}
+    params = _safetensors_params(cfg_file.parent)
+    if params is None:
+        try:
+            import torch
+            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        except ImportError as e:
+            raise ImportError(f"lzo-plan: {cfg_file.parent} has no *.safetensors to count; "
+                              "counting from config.json alone needs transformers "
+                              "(pip install 'lightning-zero-offload[transformers]') or use "
+                              "--params") from e
+        config = AutoConfig.from_pretrained(str(cfg_file.parent))
+        with torch.device("meta"):
+            try:
+                model = AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                model = AutoModel.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+    info["params"] = params
+    return info
+
+
+@dataclass
+class Plan:
+    """What ``plan`` found; every size in bytes, times in seconds."""
+
+    params: int
+    trainable_params: int
+    precision: str
+    world_size: int
+    device: str
+    device_bytes: int
+    device_breakdown: dict[str, int]
+    host_bytes_per_rank: int
+    host_breakdown: dict[str, int]
+    host_bytes_accumulating: int  # with the fp32 gradient of gradient accumulation (CUDA)
+    host_bytes_per_node: int
+    device_memory: int | None
+    host_memory: int | None
+    fits: bool | None
+    device_fits: bool | None
+    host_fits: bool | None
+    max_params_that_fit: int | None
+    cpu_step_seconds: float | None
+    kernel_params_per_second: float | None
+    cpu_threads: int | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        def gib(b: int | None) -> str:
+            return "-" if b is None else f"{b / GiB:.2f} GiB"
+
+        yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
+        lines = [f"lzo-plan: {self.params / 1e9:.3f}B parameters "
+                 f"({self.trainable_params / 1e9:.3f}B trained), {self.precision}, "
+                 f"world size {self.world_size}, compute device {self.device}"]
+        if self.device == "cuda":
+            lines.append(f"device bytes: {gib(self.device_bytes)} of {gib(self.device_memory)}")
+            lines += [f"  {k:<26} {gib(v)}" for k, v in self.device_breakdown.items()]
+        lines.append(f"host bytes per rank: {gib(self.host_bytes_per_rank)} "
+                     f"({gib(self.host_bytes_accumulating)} while accumulating gradients); "
+                     f"per node {gib(self.host_bytes_per_node)} of {gib(self.host_memory)}")
+        lines += [f"  {k:<26} {gib(v)}" for k, v in self.host_breakdown.items()]
+        lines.append(f"fits: {yes[self.fits]}")
+        if self.max_params_that_fit is not None:
+            lines.append(f"largest model that fits: {self.max_params_that_fit / 1e9:.2f}B "
+                         "parameters (same settings)")
+        if self.cpu_step_seconds is not None:
+            lines.append(f"predicted CPU step: {self.cpu_step_seconds:.3f} s per optimizer step "
+                         f"({self.kernel_params_per_second / 1e9:.2f} G params/s measured here "
+                         f"with {self.cpu_threads} threads)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
+            bucket_bytes: int, delayed: bool, activations: int) -> tuple[dict, dict, int]:
+    """(device breakdown, host breakdown, 0) for these counts. The host side is the engine's own
+    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``."""
+    from lightning_zero_offload.core.config import PRECISIONS
+    from lightning_zero_offload.core.host import budget, plan_counts
+    from lightning_zero_offload.core.layout import ALIGN
+    from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
+
+    dtype, h = PRECISIONS[precision], _ELEM[precision]
+    half, cpu = h != 4, device == "cpu"
+    bucket = max(ALIGN * world_size, bucket_bytes // h // (ALIGN * world_size) * ALIGN * world_size)
+    full, rest = divmod(trained, bucket)
+    rest = -(-rest // (ALIGN * world_size)) * ALIGN * world_size
+    buckets = [bucket] * full + ([rest] if rest else [])
+    shards = [b // world_size for b in buckets]
+    sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
+                        pinned=not cpu, out_direct=cpu and world_size == 1 and half)
+    in_flight = 1 + (world_size > 1)
+    host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
+                  delayed=delayed, frozen_bytes=4 * frozen if half else 0,
+                  untrained_bytes=h * frozen, buckets_in_flight=in_flight).parts
+    dev: dict[str, int] = {}
+    if not cpu:
+        dev["weights"] = h * (trained + frozen)
+        if delayed:
+            dev["delayed: spare weights"] = h * trained
+        dev[f"gradient buckets ({MAX_IN_FLIGHT + 1})"] = (MAX_IN_FLIGHT + 1) * min(
+            bucket_bytes, h * trained)
+        if activations:
+            dev["activations (estimate)"] = activations
+    return dev, {k: v for k, v in host.items() if v}, 0
+
+
+def _activations(info: dict, batch: int | None, seq: int | None, precision: str) -> int:
+    hidden, layers = info.get("hidden_size"), info.get("num_hidden_layers")
+    heads, vocab = info.get("num_attention_heads"), info.get("vocab_size")
+    if not (batch and seq and hidden and layers and heads):
+        return 0
+    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
+    per_layer *= _ELEM[precision] / 2  # the formula is for 16-bit activations
+    logits = seq * batch * (vocab or 0) * (_ELEM[precision] + 4)
+    return int(layers * per_layer + logits)
+
+
+def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
+                   numel: int = 4 * 2**20) -> float:
+    """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master and moments, the
+    gradient and weight output in the compute dtype), timed for about ``seconds``."""
+    import torch
+
+    from lightning_zero_offload.core.config import PRECISIONS
+    from lightning_zero_offload.ops import fused_adamw_
+
+    dtype = PRECISIONS[precision]
+    half = dtype != torch.float32
+    p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    g = torch.randn(numel).to(dtype)
+    out = torch.empty(numel, dtype=dtype) if half else None
+    kw = dict(lr=1e-4, weight_decay=0.01, out=out, num_threads=threads)
+    fused_adamw_(p, g, m, v, step=1, **kw)  # build/load the kernel and touch every page
+    steps, start = 0, time.perf_counter()
+    while True:
+        steps += 1
+        fused_adamw_(p, g, m, v, step=steps + 1, **kw)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return steps * numel / elapsed
+
+
+def plan(params: int | float | str | None = None, *, model: str | os.PathLike | None = None,
+         precision: str = "bf16-mixed", world_size: int = 1, ranks_per_node: int | None = None,
+         device: str = "cuda", device_memory: int | str | None = None,
+         host_memory: int | str | None = None, batch_size: int | None = None,
+         seq_len: int | None = None, bucket_size_mb: float = 25.0, delayed_update: bool = False,
+         frozen_params: int | float | str = 0, measure: bool = True,
+         cpu_threads: int | None = None) -> Plan:
+    """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
+    ``model``) with ZeRO-Offload; see the module docstring for every term. ``host_memory`` is the
+    machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``).
+    ``frozen_params`` of the total do not train (e.g. a LoRA base model)."""
+    if (params is None) == (model is None):
+        raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
+                         "or config.json)")
+    if precision not in _ELEM:
+        raise ValueError(f"plan: precision={precision!r} is not supported; use one of "
+                         f"{', '.join(map(repr, _ELEM))}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"plan: device must be 'cuda' or 'cpu', got {device!r}")
+    for name, val in (("world_size", world_size), ("ranks_per_node", ranks_per_node),
+                      ("batch_size", batch_size), ("seq_len", seq_len)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"plan: {name} must be an int >= 1, got {val!r}")
+    if not bucket_size_mb > 0:
+        raise ValueError(f"plan: bucket_size_mb must be > 0, got {bucket_size_mb!r}")
+    info = model_info(model) if model is not None else {}
+    total = _parse_count(params) if params is not None else int(info["params"])
+    frozen = _parse_count(frozen_params)
+    if total < 1 or not 0 <= frozen < total:
+        raise ValueError(f"plan: need params >= 1 and 0 <= frozen_params < params, got "
+                         f"{total} and {frozen}")
+    trained = total - frozen
+    dev_mem = parse_bytes(device_memory) if device_memory is not None else None
+    host_mem = parse_bytes(host_memory) if host_memory is not None else None
+    ranks = ranks_per_node or world_size
+    bucket = int(bucket_size_mb * 2**20)
+    notes = []
+    acts = _activations(info, batch_size, seq_len, precision)
+    if (batch_size or seq_len) and not acts:
+        notes.append("no activation estimate: it needs batch_size, seq_len and a model config "
+                     "(--model) for the hidden size, layers and heads")
+
+    def sizes(n_trained: int, n_frozen: int) -> tuple[dict, dict, int]:
+        return _counts(n_trained, n_frozen, precision, world_size, device, bucket,
+                       delayed_update, acts)
+
+    dev, host, accum = sizes(trained, frozen)
+    dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
+
+    def fit(d: int, hb: int) -> tuple[bool | None, bool | None]:
+        dfit = None if device == "cpu" else (None if dev_mem is None else d <= dev_mem)
+        if device == "cpu" and host_mem is not None:
+            dfit = True
+        return dfit, None if host_mem is None else hb * ranks <= host_mem
+
+    device_fits, host_fits = fit(dev_bytes, host_bytes)
+    fits = None if None in (device_fits, host_fits) else bool(device_fits and host_fits)
+    if fits and accum and host_mem is not None and (host_bytes + accum) * ranks > host_mem:
+        notes.append("gradient accumulation over several synchronizing backward passes adds an "
+                     f"fp32 host gradient ({accum / GiB:.2f} GiB per rank), which does not fit")
+    largest = None
+    if fits is not None:  # bytes grow with the model: bisect on the total (same frozen share)
+        share = frozen / total
+
+        def ok(n: int) -> bool:
+            nf = int(n * share)
+            d, hb, _ = sizes(n - nf, nf)
+            df, hf = fit(sum(d.values()), sum(hb.values()))
+            return bool(df and hf)
+
+        lo, hi = 0, 1
+        while ok(hi) and hi < 10**15:
+            lo, hi = hi, hi * 2
+        while hi - lo > max(1, lo // 10**4):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        largest = lo
+    seconds = rate = None
+    threads = cpu_threads
+    if measure:
+        import torch
+
+        from lightning_zero_offload.core.delayed import default_threads
+
+        threads = threads or default_threads(world_size, torch.device(device), delayed_update)
+        rate = measure_kernel(precision, threads)
+        seconds = -(-trained // world_size) / rate
+        notes.append("the CPU step prediction assumes this host trains the run, each rank with "
+                     f"{threads} threads; a shared or busy machine measures slower")
+    return Plan(total, trained, precision, world_size, device, dev_bytes, dev, host_bytes, host,
+                host_bytes + accum, host_bytes * ranks, dev_mem, host_mem, fits, device_fits,
+                host_fits, largest, seconds, rate, threads, notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``lzo-plan`` command."""
+    p = argparse.ArgumentParser(prog="lzo-plan", description="Will a ZeRO-Offload run fit? "
+                                "Device and host bytes, the largest model that fits, and the "
+                                "CPU step time predicted from this host's kernel speed.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="parameter count: 7e9, 7B, 350M")
+    src.add_argument("--model", help="local HF model folder or its config.json")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(_ELEM))
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, help="default: --world-size (one machine)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="compute device (cpu: everything is host memory)")
+    p.add_argument("--device-memory", help="per device, e.g. 24GiB")
+    p.add_argument("--host-memory", help="per machine, e.g. 128GiB")
+    p.add_argument("--batch-size", type=int, help="per device, for the activation estimate")
+    p.add_argument("--seq-len", type=int, help="for the activation estimate")
+    p.add_argument("--bucket-size-mb", type=float, default=25.0)
+    p.add_argument("--delayed-update", action="store_true")
+    p.add_argument("--frozen-params", default="0", help="parameters that do not train")
+    p.add_argument("--no-measure", action="store_true", help="skip the 0.2 s kernel timing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    try:
+        result = plan(a.params, model=a.model, precision=a.precision, world_size=a.world_size,
+                      ranks_per_node=a.ranks_per_node, device=a.device,
+                      device_memory=a.device_memory, host_memory=a.host_memory,
+                      batch_size=a.batch_size, seq_len=a.seq_len, bucket_size_mb=a.bucket_size_mb,
+                      delayed_update=a.delayed_update, frozen_params=a.frozen_params,
+                      measure=not a.no_measure)
+    except (ValueError, OSError, ImportError) as e:
+        p.error(str(e))
+    print(json.dumps(result.to_dict()) if a.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
