@@ -29,7 +29,7 @@ timeout 100 $PY -m lightning_zero_offload.ops._build || echo "!!! kernel build f
 step "CUDA tests (limit 120 s)"
 timeout 120 $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
     --junitxml="$OUT/pytest_cuda.xml" tests/test_engine_cuda.py tests/test_delayed_update.py \
-    tests/test_profile.py || echo "!!! CUDA tests: rc=$?"
+    tests/test_profile.py tests/test_planner.py || echo "!!! CUDA tests: rc=$?"
 
 LEFT=$((TOTAL_S - (SECONDS - T0)))
 step "GPU end to end (budget $((LEFT - 25)) s)"

@@ -133,12 +133,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mem-precision", default="bf16-mixed")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "engine_cpu.json")
+    ap.add_argument("--speed-only", action="store_true", help="skip the memory probes")
     args = ap.parse_args()
 
     # glibc keeps freed large blocks in its heap once its mmap threshold has adapted upwards,
     # which hides frees from RSS; a fixed threshold makes the probes' RSS track live memory.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "speed": step_times(args)}
+    if args.speed_only:
+        print(json.dumps(result, indent=2))
+        return
     result["memory_1_rank"] = run_ranks(memory_probe, 1, args, timeout=900)[0]
     result["memory_2_ranks"] = run_ranks(memory_probe, 2, args, timeout=900)
     one = result["memory_1_rank"]["host_state_bytes_per_param"]

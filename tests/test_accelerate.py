@@ -191,7 +191,7 @@ def test_save_load_state_resumes_exactly_two_processes(tmp_path):
     from _dist import run_ranks
 
     assert run_ranks(_resume, 2, str(tmp_path / "ckpt")) == [0.0, 0.0]
-    assert len(list((tmp_path / "ckpt" / "zero_offload").iterdir())) == 2  # one shard per rank
+    assert len(list((tmp_path / "ckpt" / "zero_offload").glob("shard-*"))) == 2  # one per rank
 
 
 def test_load_state_needs_engine_shards(tmp_path):

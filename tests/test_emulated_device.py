@@ -74,6 +74,19 @@ def test_emulated_device_equals_the_cpu_path(precision: str, delayed: bool) -> N
         _assert_same(_run(precision, delayed, seed, data), want)
 
 
+def test_slow_weight_copies_equal_the_cpu_path() -> None:
+    """Copies slower than a step: under delayed update the worker's next kernel must wait for
+    the previous step's copies to have read the output buffers it rewrites."""
+    data = batches(STEPS)
+    want = _run("bf16-mixed", True, None, data)
+    with emulated_async_device(seed=0, max_delay_ms=15.0):
+        engine = _engine("bf16-mixed", True)
+    got = {"losses": _train(engine, data, micro=2),
+           "full": engine.full_state_dict()}
+    engine.teardown()
+    _assert_same(got, want)
+
+
 def test_one_bucket_accumulating_equals_the_cpu_path() -> None:
     """One bucket: no later bucket's in-flight bound waits for its copies, so only the host
     task's own wait orders a flush after the previous one."""

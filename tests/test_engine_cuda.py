@@ -40,10 +40,21 @@ def test_cuda_fp32_equals_cpu_path(micro):
     assert gpu.last_grad_norm == pytest.approx(cpu.last_grad_norm, rel=1e-4)
 
 
-def test_cuda_bf16_pinned_staging_and_grad_memory_released():
+def test_cuda_host_buffers_are_pinned_and_within_budget():
+    """Staging and output slices live in pinned blocks, within what the preflight budgets."""
+    from lightning_zero_offload.core.host import HostBuffers
+
     engine = _engine("cuda", "bf16-mixed")
-    assert all(t.is_pinned() for t in engine._out) and engine._streamer._staging[0].is_pinned()
-    weights = sum(w.numel() * w.element_size() for w in engine._weights)
+    host = HostBuffers(engine.layout, torch.bfloat16, asynchronous=True, delayed=True,
+                       pinned=True, out_direct=False)
+    assert host.out(0).is_pinned() and host.grads.stage(0).is_pinned()
+    assert host.spare.stage(0).is_pinned() and not host.master[0].is_pinned()
+    assert host.allocated_bytes() <= host.sizes.total
+
+
+def test_cuda_bf16_grad_memory_released():
+    engine = _engine("cuda", "bf16-mixed")
+    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     _train(engine, 3, 1)
     x, y = batches(1)[0]
     engine.backward(lm_loss(engine.module(x.cuda()), y.cuda()))

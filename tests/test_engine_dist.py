@@ -110,7 +110,7 @@ def test_sharded_checkpoint_two_ranks_to_one_and_back(tmp_path):
     path = str(tmp_path / "ckpt")
     two = run_ranks(_save_then_continue, 2, path)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "shard-00000-of-00002.pt", "shard-00001-of-00002.pt"]
+        "shard-00000-of-00002.pt", "shard-00001-of-00002.pt", "zero_offload.json"]
     one = _engine(seed=7)
     one.load_checkpoint(path)
     _train(one, batches(3, seed=1))

@@ -8,22 +8,18 @@ atomic I/O are ``core.state``'s. Calls that gather across ranks say "Collective"
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks
+from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core import state as ckpt
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.weights import DeviceWeights
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _host_copy(t: Tensor) -> Tensor:
@@ -86,7 +82,7 @@ class EngineState:
                 full[g][bucket.start : bucket.start + bucket.numel] = mine
                 continue
             out = torch.empty(bucket.numel, device=coll)
-            _all_gather(out, mine.to(coll), group=self.group)
+            collectives.all_gather(out, mine.to(coll), self.group)
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
@@ -147,51 +143,79 @@ class EngineState:
         self._load_scaler(state)
 
     # -- checkpoint files ---------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, *, sharded: bool) -> None:
-        """Collective. See ``ZeroOffload.save_checkpoint``."""
-        path = Path(path)
+    def _coll(self) -> torch.device:
+        return (checks.collective_device(self.group, self.weights.dev.device)
+                if self.world_size > 1 else torch.device("cpu"))
+
+    def _agree(self, error: BaseException | None) -> None:
+        collectives.agree(error, self.world_size, self.group, self._coll())
+
+    def save(self, path: str | os.PathLike, *, sharded: bool,
+             extra: dict[str, dict] | None = None) -> None:
+        """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
+        rank, and a failed save leaves nothing behind."""
+        path = ckpt.check_name(path)
+        on_zero = self.rank == 0
         if not sharded:
+            self._agree(collectives.capture(lambda: ckpt.check_file_target(path))
+                        if on_zero else None)
             full = self.full(model=True, optimizer=True)
-            if self.rank == 0:
-                ckpt.atomic_save(full, path)
-            self.barrier()
+            self._agree(collectives.capture(lambda: ckpt.atomic_save(full, path))
+                        if on_zero else None)
             return
-        tmp = path.with_name(path.name + ".tmp")
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        ckpt.atomic_save({**self.shard(), "module_extra": self.untrained()},
-                         tmp / ckpt.shard_name(self.rank, self.world_size))
-        self.barrier()
-        if self.rank == 0:
-            ckpt.publish_dir(tmp, path)
-        self.barrier()
+        token, error = ckpt.begin_dir(path) if on_zero else ("", None)
+        token = collectives.share_token(token, self.world_size, self.group, self._coll())
+        if error is not None or not token:
+            raise error or ckpt.CheckpointError(
+                f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
+        tmp = ckpt.temp_path(path, "tmp", token)
+        try:
+            shard = {**self.shard(), "module_extra": self.untrained()}
+            self._agree(collectives.capture(lambda: ckpt.atomic_save(
+                shard, tmp / ckpt.shard_name(self.rank, self.world_size))))
+            self._agree(collectives.capture(lambda: self._publish(tmp, path, token, extra or {}))
+                        if on_zero else None)
+        finally:
+            if on_zero:
+                ckpt.discard(tmp)  # left only if the save failed: nothing of it is kept
+
+    def _publish(self, tmp: Path, path: Path, token: str, extra: dict[str, dict]) -> None:
+        for name, obj in extra.items():
+            ckpt.atomic_save(obj, tmp / name)
+        ckpt.publish_dir(tmp, path, self.world_size, token)
 
     def load(self, path: str | os.PathLike) -> None:
-        """What ``save`` wrote, at this or any other world size (the caller pushes weights)."""
-        path = Path(path)
-        if path.is_dir():
-            mine = path / ckpt.shard_name(self.rank, self.world_size)
-            if mine.is_file():
-                shard = ckpt.safe_load(mine)
-                self.module.load_state_dict(shard["module_extra"], strict=False)
-                self.remember_frozen(shard["module_extra"])
-                self.load_shard(shard)
-                return
-            shards = ckpt.read_shard_dir(path)
-            full = ckpt.consolidate(shards)
-            trained = self.weights.trained
-            names = self.module.state_dict(keep_vars=True)
-            model = {k: full["model"][trained[id(v)]] if id(v) in trained else
-                     shards[0]["module_extra"].get(k) for k, v in names.items()}
-            self.load_full({**full, "model": model, "scaler": shards[0]["scaler"]})
-            return
-        if not path.exists():
-            raise ckpt.CheckpointError(f"no checkpoint at {str(path)!r}")
-        self.load_full(ckpt.safe_load(path))
+        """Collective. What ``save`` wrote, at this or any other world size: everything is read
+        and checked (checksums, model, layout) on every rank before anything changes; the
+        caller pushes the weights."""
+        loaded: list[tuple[str, dict]] = []
+        self._agree(collectives.capture(lambda: loaded.append(self._read(ckpt.resolve(path)))))
+        kind, state = loaded[0]
+        if kind == "shard":
+            with torch.no_grad():
+                self.module.load_state_dict(state["module_extra"], strict=False)
+            self.remember_frozen(state["module_extra"])
+            self.load_shard(state)
+        else:
+            self.load_full(state)
 
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+    def _read(self, path: Path) -> tuple[str, dict]:
+        """``("shard", this rank's shard)`` or ``("full", full state)``, validated."""
+        if not path.is_dir():
+            full = ckpt.safe_load(path)
+            checks.check_full(full, self)
+            return "full", full
+        trained = self.weights.trained
+        names = self.module.state_dict(keep_vars=True)
+        shards = ckpt.read_shards(path, self.rank, self.world_size)
+        ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
+                                      for k, v in names.items()})
+        if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
+            checks.check_shard(shards[0], self)
+            return "shard", shards[0]
+        full = ckpt.consolidate(shards)
+        model = {k: full["model"][trained[id(v)]] if id(v) in trained else
+                 shards[0]["module_extra"][k] for k, v in names.items()}
+        full = {**full, "model": model, "scaler": shards[0]["scaler"]}
+        checks.check_full(full, self)
+        return "full", full

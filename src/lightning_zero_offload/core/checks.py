@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -235,3 +236,27 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
             raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
                                   f"{slot.name!r} has the wrong shape")
     return model, opt
+
+
+def check_hparams(groups: list[dict]) -> None:
+    """Every group's hyperparameters, before a step changes anything: a bad value set after
+    setup (a scheduler, a user edit) raises here with nothing updated, not after some buckets."""
+    for i, g in enumerate(groups):
+        for key, what in _UNSUPPORTED.items():
+            if g.get(key):
+                raise ValueError(f"ZeroOffload: param group {i} now uses {what}, which the fused "
+                                 f"CPU AdamW does not support; set {key}=False")
+        try:
+            lr, eps, wd = float(g["lr"]), float(g["eps"]), float(g["weight_decay"])
+            b1, b2 = (float(b) for b in g["betas"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"ZeroOffload: param group {i} has a malformed hyperparameter "
+                             f"({e!r}); lr, eps, weight_decay and betas must be numbers") from None
+        bad = [f"{k}={v!r}" for k, v, ok in (
+            ("lr", lr, lr >= 0 and math.isfinite(lr)), ("eps", eps, eps >= 0),
+            ("weight_decay", wd, wd >= 0 and math.isfinite(wd)),
+            ("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1)) if not ok]
+        if bad:
+            raise ValueError(f"ZeroOffload: param group {i} has {', '.join(bad)}; torch's AdamW "
+                             "needs lr >= 0, eps >= 0, weight_decay >= 0 and 0 <= betas < 1. "
+                             "Nothing was updated.")

@@ -35,7 +35,10 @@ class ZeroOffloadConfig:
     10 steps because the first steps move the weights the most (Adam's first updates are about
     ``lr`` in every coordinate, whatever the gradient's size, and the gradients change fastest
     while the loss falls steeply), so a stale update hurts most there; the paper likewise turns
-    it on only after a warm-up.
+    it on only after a warm-up. ``collective_timeout_s`` is the timeout of every collective the
+    engine issues: a rank that fails or stops makes its peers raise within it, instead of after the
+    process group's 30-minute default.
+    Every field is type-checked (a bool field takes only True/False, an int field no bool).
 
     ``precision=None`` (the default) takes the framework's: Lightning's ``precision``,
     Accelerate's ``mixed_precision``, the transformers Trainer's ``bf16``/``fp16``; the plain
@@ -54,6 +57,7 @@ class ZeroOffloadConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     check_host_memory: bool = True
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -61,48 +65,48 @@ class ZeroOffloadConfig:
                 f"ZeroOffloadConfig: precision={self.precision!r} is not supported; use one of "
                 f"{', '.join(map(repr, PRECISIONS))}, or None for the framework's"
             )
-        if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0
-        ):
-            raise ValueError(
-                f"ZeroOffloadConfig: max_grad_norm must be a positive number or None, "
-                f"got {self.max_grad_norm!r}"
-            )
-        if not (isinstance(self.bucket_size_mb, (int, float)) and self.bucket_size_mb > 0):
-            raise ValueError(
-                f"ZeroOffloadConfig: bucket_size_mb must be > 0, got {self.bucket_size_mb!r}"
-            )
-        if self.cpu_threads is not None and (
-            isinstance(self.cpu_threads, bool)
-            or not isinstance(self.cpu_threads, int)
-            or self.cpu_threads < 1
-        ):
-            raise ValueError(
-                f"ZeroOffloadConfig: cpu_threads must be an int >= 1 or None, got "
-                f"{self.cpu_threads!r}"
-            )
+
+        def fail(name: str, want: str, error: type[Exception] = TypeError) -> None:
+            value = getattr(self, name)
+            raise error(f"ZeroOffloadConfig: {name} must be {want}, got {value!r}"
+                        + (f" ({type(value).__name__})" if error is TypeError else ""))
+
+        def number(name: str, *, integer: bool = False, optional: bool = False) -> bool:
+            """Type check; True when the value is a number (not None) to range-check."""
+            value = getattr(self, name)
+            if optional and value is None:
+                return False
+            kinds = (int,) if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                fail(name, ("an int" if integer else "a number") + (" or None" * optional))
+            return True
+
+        for name in ("delayed_update", "check_host_memory"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "True or False")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            fail("pin_memory", "True, False or None")
+        if number("max_grad_norm", optional=True) and not self.max_grad_norm > 0:
+            fail("max_grad_norm", "a positive number or None", ValueError)
+        if number("bucket_size_mb") and not 0 < self.bucket_size_mb < math.inf:
+            fail("bucket_size_mb", "> 0 and finite (a bucket's size in MiB)", ValueError)
+        if number("cpu_threads", integer=True, optional=True) and self.cpu_threads < 1:
+            fail("cpu_threads", "an int >= 1 or None", ValueError)
         self.cpu_affinity = check_cores(self.cpu_affinity)
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError(
                 "ZeroOffloadConfig: pin_memory=True needs a CUDA device (pinned memory only "
                 "speeds up host<->GPU copies); leave it None"
             )
-        if not isinstance(self.delayed_update_warmup, int) or self.delayed_update_warmup < 0:
-            raise ValueError(
-                f"ZeroOffloadConfig: delayed_update_warmup must be an int >= 0, got "
-                f"{self.delayed_update_warmup!r}"
-            )
-        scale = self.initial_loss_scale
-        if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
-            raise ValueError(
-                f"ZeroOffloadConfig: initial_loss_scale must be a finite number > 0, got {scale!r}"
-            )
-        interval = self.loss_scale_growth_interval
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ValueError(
-                f"ZeroOffloadConfig: loss_scale_growth_interval must be an int >= 1, got "
-                f"{interval!r}"
-            )
+        if number("delayed_update_warmup", integer=True) and self.delayed_update_warmup < 0:
+            fail("delayed_update_warmup", "an int >= 0", ValueError)
+        if number("initial_loss_scale") and not 0 < self.initial_loss_scale < math.inf:
+            fail("initial_loss_scale", "a finite number > 0", ValueError)
+        if number("loss_scale_growth_interval", integer=True) and (
+                self.loss_scale_growth_interval < 1):
+            fail("loss_scale_growth_interval", "an int >= 1", ValueError)
+        if number("collective_timeout_s") and not 0 < self.collective_timeout_s < math.inf:
+            fail("collective_timeout_s", "a finite number of seconds > 0", ValueError)
 
     @property
     def compute_dtype(self) -> torch.dtype:

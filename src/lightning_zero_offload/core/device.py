@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero_offload.core.collectives import side_group
+
 
 class Event:
     """A point in a stream's queue. ``wait`` blocks the host until the stream has passed it;
@@ -282,8 +284,9 @@ class EmulatedDevice(SyncDevice):
     asynchronous = True
 
     def __init__(self, device: torch.device, process_group: object | None = None, *,
-                 seed: int = 0, max_delay_ms: float = 3.0) -> None:
+                 seed: int = 0, max_delay_ms: float = 3.0, timeout_s: float | None = None) -> None:
         super().__init__(device, process_group)
+        self.timeout_s = timeout_s
         self.seed, self.max_delay_s = seed, max_delay_ms / 1000.0
         self._streams: list[_EmuStream] = []
         self._compute_waits: list[Event] = []
@@ -294,8 +297,7 @@ class EmulatedDevice(SyncDevice):
     def side_stream(self, name: str) -> _EmuStream:
         group = None
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            ranks = dist.get_process_group_ranks(self.group) if self.group is not None else None
-            group = dist.new_group(ranks)  # collective: every rank builds its streams in order
+            group = side_group(self.group, self.timeout_s)  # the ranks build streams in order
         stream = _EmuStream(name, random.Random(f"{self.seed}/{len(self._streams)}"),
                             self.max_delay_s, group)
         self._streams.append(stream)
@@ -383,13 +385,14 @@ def emulate(seed: int, max_delay_ms: float) -> Iterator[list[EmulatedDevice]]:
         _emulation = previous
 
 
-def make_device(device: torch.device, process_group: object | None) -> SyncDevice:
+def make_device(device: torch.device, process_group: object | None,
+                timeout_s: float | None = None) -> SyncDevice:
     """The asynchrony implementation for an engine whose compute device is ``device``."""
     if device.type == "cuda":
         return CudaDevice(device, process_group)
     if _emulation is not None:
         emu = EmulatedDevice(device, process_group, seed=_emulation["seed"],
-                             max_delay_ms=_emulation["max_delay_ms"])
+                             max_delay_ms=_emulation["max_delay_ms"], timeout_s=timeout_s)
         _emulation["made"].append(emu)
         return emu
     return SyncDevice(device, process_group)

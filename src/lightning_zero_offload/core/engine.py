@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks
+from lightning_zero_offload.core import checks, collectives, ranks
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, default_threads
@@ -46,8 +47,9 @@ class ZeroOffload:
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
-        self.process_group = process_group
         self.rank, self.world_size = checks.rank_and_world(process_group)
+        # The engine's own copy of the group, with its timeout (see core.collectives).
+        self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
         self.module, self.inner_optimizer = module, optimizer
@@ -63,7 +65,7 @@ class ZeroOffload:
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
                pinned: bool) -> None:
         config, layout = self.config, self.layout
-        self._dev = dev = make_device(self.device, self.process_group)
+        self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
         delayed, half = config.delayed_update, dtype != torch.float32
         out_direct = not dev.asynchronous and self.world_size == 1 and half
         self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
@@ -79,8 +81,8 @@ class ZeroOffload:
                        untrained_bytes=untrained_bytes(module, trained, dtype),
                        buckets_in_flight=in_flight)
         self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
-        if config.check_host_memory:
-            check_host_memory(self.host_bytes, self.rank)
+        ranks.start(layout, module, self.process_group, self.device, lambda: (
+            check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
         with torch.no_grad():  # the master weights, from the user's weights before casting
             for slot, lo, hi, at in shard_pieces(layout, self.rank):
                 host.master[slot.group][at : at + hi - lo].copy_(
@@ -153,8 +155,10 @@ class ZeroOffload:
             self._host.need_fp32_grads()  # here, not in a backward hook
         try:
             loss.backward()
-        except BaseException:
+        except BaseException as e:
             streamer.discard()
+            if self.world_size > 1:
+                collectives.report_failure(self.rank, e)
             raise
         finally:
             streamer.sync = not self._no_sync
@@ -180,6 +184,14 @@ class ZeroOffload:
         """Collective. One step over this rank's shard; returns the global pre-clip gradient norm
         (None when not needed). With delayed update past its warm-up the CPU step runs on the
         worker and lands at the next ``step()``."""
+        try:
+            return self._step()
+        except BaseException as e:
+            if self.world_size > 1:  # peers stuck in a collective name this rank
+                collectives.report_failure(self.rank, e)
+            raise
+
+    def _step(self) -> Tensor | None:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
         self._check_open()
         self._check_params()
@@ -239,6 +251,7 @@ class ZeroOffload:
         host state holds every step. With one rank the module's weights include the pending
         update too; with several they do after the next collective call (``step``,
         ``gather_weights``, ``full_state_dict``, ``save_checkpoint``, loads, ``teardown``)."""
+        self._check_open()
         if self._delayed is not None:
             self._delayed.join()
         if self.world_size == 1:
@@ -248,6 +261,7 @@ class ZeroOffload:
 
     def gather_weights(self) -> None:
         """Collective: the module's weights include every step (for validation on all ranks)."""
+        self._check_open()
         self._land_delayed()
         self._streamer.drain()
         self._dev.synchronize()
@@ -270,7 +284,10 @@ class ZeroOffload:
     # -- checks -------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("ZeroOffload: this engine was torn down; create a new one")
+            raise RuntimeError(
+                "ZeroOffload: this engine was torn down (teardown(), or the end of a framework's "
+                "fit), so its optimizer state is gone; save before teardown, or create a new "
+                "engine (the module holds the trained fp32 weights)")
 
     def _check_params(self) -> None:
         checks.check_unchanged(self.optimizer.param_groups, self._groups, self.module,
@@ -312,12 +329,15 @@ class ZeroOffload:
         self._state.load_full(state)
         self._push_master()
 
-    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True) -> None:
+    def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
+                        extra: dict[str, dict] | None = None) -> None:
         """Collective. ``sharded=True``: a folder of one file per rank; ``False``: one
-        consolidated file. Written under a temporary name and renamed (never half a checkpoint)."""
+        consolidated file; ``extra``: more files (name -> dict) rank 0 writes into the folder.
+        Written under a temporary name and renamed (never half a checkpoint); only an empty folder
+        or one of ours is replaced."""
         self._check_open()
         self.gather_weights()
-        self._state.save(path, sharded=sharded)
+        self._state.save(path, sharded=sharded, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
@@ -327,15 +347,29 @@ class ZeroOffload:
         self._push_master()
 
     # -- teardown -----------------------------------------------------------------------------
+    def _join_quietly(self, error: BaseException | None) -> None:
+        """Local waits only; while ``error`` propagates, a failed pending step is not raised."""
+        try:
+            self.synchronize()
+        except Exception:
+            if error is None:
+                raise
+
     def teardown(self, *, copy_weights_to_module: bool = True) -> None:
         """Remove hooks and free buffers. ``copy_weights_to_module=True`` (collective) gives the
         module ordinary fp32 master-weight parameters and its other tensors' original dtypes."""
         if self._closed:
             return
+        error = sys.exc_info()[1]
+        if error is not None and self.world_size > 1:
+            # Teardown while an exception propagates (a framework's error handler): the peers
+            # may sit in another collective, so start none; they fail within the timeout.
+            collectives.report_failure(self.rank, error)
+            copy_weights_to_module = False
         if copy_weights_to_module:
             self.gather_weights()
         else:
-            self.synchronize()
+            self._join_quietly(error)
         if self._worker is not None:
             self._worker.close()
         self._streamer.remove()

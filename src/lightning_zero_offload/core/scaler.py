@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MIN_SCALE = 2.0**-24  # below fp16's smallest subnormal: no scale can rescue such gradients
+
 
 class DynamicLossScaler:
     """The policy of ``torch.amp.GradScaler`` (growth 2, backoff 0.5), kept as Python floats
@@ -16,6 +18,11 @@ class DynamicLossScaler:
 
     def update(self, overflow: bool) -> None:
         if overflow:
+            if self.scale * self.backoff_factor < MIN_SCALE:
+                raise FloatingPointError(
+                    f"ZeroOffload: the fp16 loss scale fell below {MIN_SCALE:g}: the gradients "
+                    "are inf/NaN at every scale, so the loss or the data is not finite (check "
+                    "them; bf16-mixed has fp32's range and needs no scaling)")
             self.scale *= self.backoff_factor
             self.good_steps = 0
             return

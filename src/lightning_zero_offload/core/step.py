@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero_offload.core import checks
+from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout
@@ -83,7 +83,7 @@ class Stepper:
         if self.world_size > 1:
             local = local.to(checks.collective_device(self.group, self.weights.dev.device))
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            dist.all_reduce(local, op=op, group=self.group)
+            collectives.all_reduce(local, op, self.group, "all-reduce of the gradient norm")
         total = local.item()
         if not math.isinf(norm_type):
             total = total ** (1.0 / norm_type)
@@ -92,6 +92,7 @@ class Stepper:
     def decide(self, param_groups: list[dict], step: int) -> StepPlan | None:
         """Wait for the gradients and settle the step; None when it is skipped (no gradient
         since ``zero_grad``, or an fp16 overflow)."""
+        checks.check_hparams(param_groups)
         coef, norm = self._clip_coef, self._clip_norm
         self._clip_coef, self._clip_norm = 1.0, None
         self.last_grad_norm, self.last_step_skipped = None, True

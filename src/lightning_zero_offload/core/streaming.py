@@ -22,15 +22,14 @@ import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import ALIGN, Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 MAX_IN_FLIGHT = 2  # bucket buffers handed to the side stream and not yet released
 
 
@@ -207,7 +206,7 @@ class GradStreamer:
         t0 = self.profile.now()
         shard = self._shard_of(b, buf)
         if shard is not buf:
-            _reduce_scatter(shard, buf, group=self.group)
+            collectives.reduce_scatter(shard, buf, self.group)
         self.stats.append(_sq_sum(shard))
         host = self.host.grads.grad(b)
         if shard.data_ptr() != host.data_ptr():
@@ -228,7 +227,7 @@ class GradStreamer:
 
         def reduce(group: object) -> None:
             if shard is not buf:
-                _reduce_scatter(shard, buf, group=group)
+                collectives.reduce_scatter(shard, buf, group)
             stat.copy_(_sq_sum(shard))
         dev.collective(stream, reduce)
         if shard is not buf:

@@ -18,14 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
@@ -117,7 +115,8 @@ class DeviceWeights:
         lo, hi = bucket.shard_range(self.rank)
         flat = target[bucket.group]
         full, mine = flat[bucket.start : bucket.start + bucket.numel], flat[lo:hi]
-        self.dev.collective(self._stream, lambda group: _all_gather(full, mine, group=group))
+        self.dev.collective(self._stream,
+                            lambda group: collectives.all_gather(full, mine, group))
 
     def end_copies(self, step: int | None) -> None:
         """After the last copy of a push (on the thread that queued them): the end the host

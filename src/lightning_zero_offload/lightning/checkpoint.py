@@ -8,20 +8,25 @@ and the default strategies can read it.
 Sharded (``sharded_checkpoint=True``), for models too large to gather on one rank: a directory
 written by ``ZeroOffload.save_checkpoint(sharded=True)`` (one file per rank) plus ``meta.pt`` from
 rank 0 with everything else (loops, callbacks, schedulers, hyperparameters). It resumes at any
-world size; :func:`consolidate_checkpoint` turns it into a consolidated file offline.
+world size; :func:`consolidate_checkpoint` turns it into a consolidated file offline. Every file
+of it is read weights-only (whatever ``weights_only`` Lightning passes: it drops the argument
+when ``restore_checkpoint_after_setup`` is set) with its checksum verified.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.utilities.cloud_io import _load
-from lightning.fabric.utilities.types import _PATH
-
-from lightning_zero_offload.core import ZeroOffload
 from lightning_zero_offload.core import state as engine_state
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_zero_offload.core import ZeroOffload
 
 META = "meta.pt"
 SCALER_KEY = "zero_offload_scaler"
@@ -48,32 +53,49 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
     return state
 
 
+def _sharded_dir(path: object) -> Path | None:
+    """The folder to read if ``path`` is a sharded checkpoint (or a save killed while replacing
+    one left the previous folder; see ``state.resolve``)."""
+    if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http:", "https:")):
+        return None
+    try:
+        folder = engine_state.resolve(path) if not Path(path).exists() else Path(path)
+    except engine_state.CheckpointError:
+        return None
+    return folder if (folder / META).is_file() else None
+
+
 def is_sharded(path: object) -> bool:
-    return isinstance(path, (str, os.PathLike)) and (Path(path) / META).is_file()
+    return _sharded_dir(path) is not None
 
 
 def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH,
                  is_global_zero: bool) -> None:
-    """Collective: every rank writes its shard, then rank 0 adds ``meta``."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise FileExistsError(f"{path} is a file; a sharded checkpoint is written as a directory")
-    engine.save_checkpoint(path, sharded=True)
-    if is_global_zero:
-        trained = {id(s.param): s.name for s in engine.layout.slots}
-        aliases = {
-            key: trained[id(t)]
-            for key, t in engine.module.state_dict(keep_vars=True).items()
-            if id(t) in trained
-        }
-        engine_state.atomic_save({**meta, _ALIASES: aliases}, path / META)
+    """Collective: every rank writes its shard, rank 0 adds ``meta``, published as one folder."""
+    trained = {id(s.param): s.name for s in engine.layout.slots}
+    aliases = {
+        key: trained[id(t)]
+        for key, t in engine.module.state_dict(keep_vars=True).items()
+        if id(t) in trained
+    }
+    extra = {META: {**meta, _ALIASES: aliases}} if is_global_zero else None
+    engine.save_checkpoint(path, sharded=True, extra=extra)
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    return engine_state.load_file(folder / META)  # weights only, checksum verified
 
 
 def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-    """Rank 0's metadata; ``SHARDED_KEY`` names the directory for ``engine.load_checkpoint``."""
-    meta = _load(Path(path) / META, map_location="cpu", weights_only=bool(weights_only))
+    """Rank 0's metadata; ``SHARDED_KEY`` names the directory for ``engine.load_checkpoint``.
+    ``weights_only`` is ignored: the metadata is always loaded weights-only."""
+    folder = _sharded_dir(path)
+    if folder is None:
+        raise engine_state.CheckpointError(f"{path} is not a sharded zero_offload checkpoint "
+                                           f"(no {META} in it)")
+    meta = _read_meta(folder)
     meta.pop(_ALIASES, None)
-    meta[SHARDED_KEY] = str(path)
+    meta[SHARDED_KEY] = str(folder)
     return meta
 
 
@@ -86,11 +108,12 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     """
     import torch
 
-    path = Path(path)
-    if not is_sharded(path):
+    folder = _sharded_dir(path)
+    if folder is None:
         raise ValueError(f"{path} is not a sharded zero_offload checkpoint (no {META} in it)")
-    meta = _load(path / META, map_location="cpu", weights_only=False)
+    meta = _read_meta(folder)
     aliases = meta.pop(_ALIASES)
+    path = folder
     shards = engine_state.read_shard_dir(path)
     full = engine_state.consolidate(shards)
     extra = shards[0].get("module_extra", {})
@@ -100,4 +123,39 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     }
     meta["state_dict"] = model
     meta["optimizer_states"] = [optimizer_entry({**full, "scaler": shards[0].get("scaler")})]
-    torch.save(meta, output)
+    output = engine_state.check_name(output)
+    tmp = engine_state.temp_path(output, "tmp", engine_state.new_token())
+    try:  # a plain Lightning file (no checksum entry), renamed into place when complete
+        torch.save(meta, tmp)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load)
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_sharded(path_or_url):
+            raise engine_state.CheckpointError(
+                f"{str(path_or_url)!r} is a sharded zero_offload checkpoint (a folder with one "
+                "file per rank), which load_from_checkpoint cannot read. Consolidate it first: "
+                "lightning_zero_offload.lightning.consolidate_checkpoint(folder, 'model.ckpt'), "
+                "then load 'model.ckpt'; or resume training from it with "
+                "Trainer(strategy='zero_offload').fit(model, ckpt_path=folder)"
+            )
+        return load(path_or_url, *args, **kwargs)
+
+    pl_load.zero_offload_guard = True  # type: ignore[attr-defined]
+    return pl_load
+
+
+def install_load_guard() -> None:
+    """Make ``LightningModule.load_from_checkpoint(sharded_folder)`` raise a clear error instead
+    of ``IsADirectoryError`` (wraps the loader Lightning calls; other paths are unchanged)."""
+    from lightning.pytorch.core import saving
+
+    if not getattr(saving.pl_load, "zero_offload_guard", False):
+        saving.pl_load = _refusing_sharded(saving.pl_load)
+
+
+install_load_guard()

@@ -1,0 +1,96 @@
+"""What the ranks must agree on at setup: the same model, and rank 0's starting weights.
+
+Like DDP, the engine refuses ranks whose parameters differ in name, shape or dtype (with N ranks
+each one owns 1/N of every bucket, so a difference would silently mix different models) and
+starts every rank from rank 0's weights and buffers, so every adapter gets the same start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero_offload.core import checks, collectives
+from lightning_zero_offload.core.layout import Layout
+
+
+def _describe(layout: Layout, module: nn.Module) -> list[str]:
+    out = [f"parameter {s.name!r}: shape {tuple(s.shape)}, {s.param.dtype}, group {s.group}"
+           for s in layout.slots]
+    out += [f"buffer {n!r}: shape {tuple(b.shape)}, {b.dtype}" for n, b in module.named_buffers()]
+    return out
+
+
+def start(layout: Layout, module: nn.Module, group: object | None, device: torch.device,
+          local_checks: Callable[[], None]) -> None:
+    """Run this rank's setup checks; with several ranks agree (every rank raises the first
+    failure, or a model difference) and take rank 0's starting weights."""
+    try:
+        local_checks()
+        error = None
+    except MemoryError as e:
+        error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        agree(layout, module, group, error)
+        broadcast_start(layout, module, group, checks.collective_device(group, device))
+    elif error is not None:
+        raise error
+
+
+def agree(layout: Layout, module: nn.Module, group: object | None,
+          local_error: Exception | None) -> None:
+    """Collective (one small object all-gather). Every rank raises the same error when any rank
+    failed its local setup checks (``local_error``, e.g. not enough host memory) or holds a
+    different model; otherwise returns on every rank."""
+    desc = _describe(layout, module)
+    mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(),
+            None if local_error is None else (type(local_error).__name__, str(local_error)))
+    world = dist.get_world_size(group)  # type: ignore[arg-type]
+    every: list = [None] * world
+    collectives.run("setup check of every rank", lambda: dist.all_gather_object(
+        every, mine, group=group))
+    for r, (_, err) in enumerate(every):
+        if err is not None:
+            kind = MemoryError if err[0] == "MemoryError" else ValueError
+            raise kind(f"ZeroOffload: rank {r} failed its setup checks ({err[0]}: {err[1]}); "
+                       "every rank stops here")
+    if all(d == every[0][0] for d, _ in every):
+        return
+    descs: list = [None] * world
+    collectives.run("setup check of every rank", lambda: dist.all_gather_object(
+        descs, desc, group=group))
+    for r, other in enumerate(descs):
+        first = next(((i, a, b) for i, (a, b) in enumerate(zip(descs[0], other, strict=False))
+                      if a != b), None)
+        if first is None and len(other) == len(descs[0]):
+            continue
+        where = (f"rank {r} has {first[2]} where rank 0 has {first[1]}" if first else
+                 f"rank {r} has {len(other)} parameters and buffers, rank 0 {len(descs[0])}")
+        raise ValueError(f"ZeroOffload: the ranks hold different models: {where}. Build the "
+                         "same model and optimizer groups on every rank (as DDP requires).")
+
+
+@torch.no_grad()
+def broadcast_start(layout: Layout, module: nn.Module, group: object | None,
+                    device: torch.device) -> None:
+    """Every rank takes rank 0's trained parameters (bucket by bucket, in fp32) and buffers."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0  # type: ignore[arg-type]
+    for bucket in layout.buckets:
+        flat = torch.zeros(bucket.numel, device=device)
+        for i in bucket.slots:
+            s = layout.slots[i]
+            lo = s.offset - bucket.start
+            flat[lo : lo + s.numel].copy_(s.param.detach().reshape(-1))
+        collectives.broadcast(flat, src, group, "broadcast of rank 0's starting weights")
+        for i in bucket.slots:
+            s = layout.slots[i]
+            lo = s.offset - bucket.start
+            s.param.data.copy_(flat[lo : lo + s.numel].view(s.shape))
+    for b in module.buffers():
+        t = b.detach().to(device)
+        collectives.broadcast(t, src, group, "broadcast of rank 0's buffers")
+        b.data.copy_(t)
