@@ -149,13 +149,17 @@ def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
     return pl_load
 
 
+_LOADER = "pl_load"
+
+
 def install_load_guard() -> None:
     """Make ``LightningModule.load_from_checkpoint(sharded_folder)`` raise a clear error instead
     of ``IsADirectoryError`` (wraps the loader Lightning calls; other paths are unchanged)."""
     from lightning.pytorch.core import saving
 
-    if not getattr(saving.pl_load, "zero_offload_guard", False):
-        saving.pl_load = _refusing_sharded(saving.pl_load)
+    loader = getattr(saving, _LOADER)  # the name Lightning calls at load time (not exported)
+    if not getattr(loader, "zero_offload_guard", False):
+        setattr(saving, _LOADER, _refusing_sharded(loader))
 
 
 install_load_guard()
