@@ -69,6 +69,7 @@ def main(argv: list[str]) -> int:
         cmd = [py, "examples/lightning_gpt.py", *argv[1:]]
     else:
         _run(py, "-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "tasks.py")
+        _run(py, "-m", "pyright", "--pythonpath", py)  # [tool.pyright] in pyproject.toml
         cmd = [py, "-m", "pytest", *argv[1:]]
     return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
 

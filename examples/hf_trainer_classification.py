@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     accuracy = (torch.as_tensor(out.predictions).argmax(-1) == torch.as_tensor(out.label_ids))
     accuracy = accuracy.float().mean().item()
     elapsed = time.time() - start
-    engine = getattr(trainer.optimizer, "engine", None)  # None with --no-zero-offload
+    engine = trainer.zero_offload_engine  # None with --no-zero-offload
     summary = format_summary(engine.profile) if engine is not None else None
     print(f"fine-tuned with {'ZeroOffloadTrainer' if engine is not None else 'Trainer'}"
           f": held-out accuracy {accuracy:.3f} (baseline {baseline:.3f}, majority class "

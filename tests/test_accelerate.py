@@ -11,8 +11,9 @@ from torch import nn
 
 pytest.importorskip("accelerate")
 
+from _accelerate_state import reset_accelerate  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
 from lightning_zero_offload.accelerate import (  # noqa: E402
     ZeroOffloadAcceleratedOptimizer,
@@ -24,18 +25,13 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
 ACCUM, STEPS, BATCH, MAX_NORM = 2, 6, 4, 0.05
 
 
-def _reset_accelerate() -> None:
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(autouse=True)
 def _clean_state(monkeypatch):
     for var in [v for v in __import__("os").environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
-    _reset_accelerate()
+    reset_accelerate()
     yield
-    _reset_accelerate()
+    reset_accelerate()
 
 
 def _model() -> nn.Module:
@@ -51,10 +47,10 @@ def _data(world: int) -> torch.utils.data.TensorDataset:
                                           torch.randn(n, 4, generator=g))
 
 
-def _setup(offload: bool, world: int = 1):
+def _setup(offload: bool | None, world: int = 1, opt_cls: type = torch.optim.AdamW):
     accelerator = Accelerator(gradient_accumulation_steps=ACCUM, mixed_precision="no")
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = opt_cls(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     loader = torch.utils.data.DataLoader(_data(world), batch_size=BATCH)
     plugin = ZeroOffloadPlugin(enabled=offload)
@@ -90,8 +86,8 @@ def _rel_err(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
-def _train(offload: bool, world: int = 1):
-    acc, _, model, opt, loader, sched = _setup(offload, world)
+def _train(offload: bool, world: int = 1, opt_cls: type = torch.optim.AdamW):
+    acc, _, model, opt, loader, sched = _setup(offload, world, opt_cls)
     norms = _run(acc, model, opt, loader, sched)
     return _weights(acc, model), norms
 
@@ -99,7 +95,7 @@ def _train(offload: bool, world: int = 1):
 def _compare_ranks(rank: int, world: int) -> tuple:
     __import__("os").environ["ACCELERATE_USE_CPU"] = "true"  # gloo ranks: Accelerate's MULTI_CPU
     plain, plain_norms = _train(False, world)
-    _reset_accelerate()
+    reset_accelerate()
     ours, our_norms = _train(True, world)
     assert AcceleratorState().num_processes == world
     return _rel_err(ours, plain), plain_norms, our_norms
@@ -127,12 +123,10 @@ def test_plugin_matches_plain_accelerate_two_processes():
 def test_prepare_returns_accelerate_objects_and_routes_the_loop():
     acc, plugin, model, opt, loader, sched = _setup(True)
     assert isinstance(opt, ZeroOffloadAcceleratedOptimizer)
-    assert model is plugin.engine.module and model._is_accelerate_prepared
-    assert opt._is_accelerate_prepared and sched._is_accelerate_prepared
-    assert model in acc._models and opt in acc._optimizers
+    assert plugin.engine is not None and model is plugin.engine.module
     assert acc.unwrap_model(model) is model
-    # accelerator.prepare skips them now
-    assert acc.prepare(model, opt) == (model, opt)
+    # Accelerate counts them as prepared: prepare() hands them back unwrapped
+    assert acc.prepare(model, opt, sched) == (model, opt, sched)
     # the scheduler drives the engine's live param groups
     lr0 = plugin.engine.optimizer.param_groups[0]["lr"]
     _run(acc, model, opt, loader, sched, stop=ACCUM)
@@ -152,7 +146,7 @@ def test_flag_off_is_plain_prepare(monkeypatch):
     assert "backward" not in vars(acc) and "clip_grad_norm_" not in vars(acc)
     _run(acc, model, opt, loader, sched)
     w_off = _weights(acc, model)
-    _reset_accelerate()
+    reset_accelerate()
     plain, _ = _train(False)
     assert _rel_err(w_off, plain) == 0.0
 
@@ -176,7 +170,7 @@ def _resume(rank: int, world: int, path: str) -> float:
     _run(acc, model, opt, loader, sched, skip=half)
     straight = _weights(acc, model)
 
-    _reset_accelerate()
+    reset_accelerate()
     acc, _, model, opt, loader, sched = _setup(True, world)
     acc.load_state(path)
     _run(acc, model, opt, loader, sched, skip=half)
@@ -184,8 +178,11 @@ def _resume(rank: int, world: int, path: str) -> float:
 
 
 def test_save_load_state_resumes_exactly(tmp_path):
+    from accelerate.utils import OPTIMIZER_NAME
+
     assert _resume(0, 1, str(tmp_path / "ckpt")) == 0.0
     assert (tmp_path / "ckpt" / "zero_offload").is_dir()
+    assert (tmp_path / "ckpt" / f"{OPTIMIZER_NAME}.bin").is_file()  # the optimizer is registered
     assert not (tmp_path / "ckpt" / "model.safetensors").exists()  # the shards hold the model
 
 
@@ -200,7 +197,7 @@ def test_save_load_state_resumes_exactly_two_processes(tmp_path):
 def test_load_state_needs_engine_shards(tmp_path):
     acc, _, model, opt, loader, sched = _setup(False)
     acc.save_state(str(tmp_path / "plain"))
-    _reset_accelerate()
+    reset_accelerate()
     acc, *_ = _setup(True)
     with pytest.raises(FileNotFoundError, match="zero_offload"):
         acc.load_state(str(tmp_path / "plain"))
@@ -295,8 +292,38 @@ def test_precision_follows_accelerate_and_conflicts_raise(monkeypatch):
         ZeroOffloadPlugin(enabled=True, bucket_mb=3)
 
 
+def test_precision_unset_takes_accelerates_and_an_explicit_other_one_raises(monkeypatch):
+    from lightning_zero_offload import ZeroOffloadConfig
+
+    # a config that never mentions precision takes Accelerate's (it used to be rejected)
+    config = ZeroOffloadPlugin(ZeroOffloadConfig(cpu_threads=2), enabled=True).resolve_config("no")
+    assert (config.precision, config.cpu_threads) == ("32-true", 2)
+    same = ZeroOffloadPlugin(ZeroOffloadConfig(precision="16-mixed"), enabled=True)
+    assert same.resolve_config("fp16").precision == "16-mixed"
+    match = r"precision='bf16-mixed'\) does not match Accelerator\(mixed_precision='no'\)"
+    with pytest.raises(ValueError, match=match):
+        ZeroOffloadPlugin(enabled=True, precision="bf16-mixed").resolve_config("no")
+    monkeypatch.setenv("ZERO_OFFLOAD_PRECISION", "bf16-mixed")
+    with pytest.raises(ValueError, match=match):
+        ZeroOffloadPlugin(enabled=True).resolve_config("no")
+    assert ZeroOffloadPlugin(enabled=True).resolve_config("bf16").precision == "bf16-mixed"
+    monkeypatch.setenv("ZERO_OFFLOAD_PRECISION", "none")
+    assert ZeroOffloadPlugin(enabled=True).resolve_config("no").precision == "32-true"
+
+
+class SubAdamW(torch.optim.AdamW):
+    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
+
+
+def test_adamw_subclass_matches_plain_accelerate():
+    plain, plain_norms = _train(False, opt_cls=SubAdamW)
+    reset_accelerate()
+    ours, our_norms = _train(True, opt_cls=SubAdamW)
+    _check(_rel_err(ours, plain), plain_norms, our_norms)
+
+
 def test_bf16_trains_and_saves_fp32_master_weights():
-    _reset_accelerate()
+    reset_accelerate()
     accelerator = Accelerator(mixed_precision="bf16")
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

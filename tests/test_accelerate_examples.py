@@ -36,13 +36,12 @@ def _load_recipe():
 
 
 def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch, capsys):
-    from accelerate.state import AcceleratorState, GradientState
+    from _accelerate_state import reset_accelerate
 
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("ZERO_OFFLOAD", "1")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     recipe_mod = _load_recipe()
     cfg = recipe_mod.parse_args(["--tiny-random-llama", "--data", str(text_file),
                                  "--max-steps", "24", "--lr", "3e-3", "--seq-len", "64",
@@ -59,8 +58,7 @@ def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch, capsys):
     saved = load_file(tmp_path / "out" / "model.safetensors")
     master = recipe.plugin.engine.full_state_dict()["model"]
     assert all(torch.equal(v, master[k]) for k, v in saved.items())
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 @pytest.mark.slow

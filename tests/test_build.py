@@ -52,7 +52,7 @@ def test_sources_found_and_key_covers_source_and_flags(
 
 
 def test_no_compiler_warns_once_and_uses_reference(fresh: Path, monkeypatch) -> None:
-    monkeypatch.setattr(_build, "_compiler", lambda: None)
+    monkeypatch.setattr(_build, "find_compiler", lambda: None)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as record:
         first = _step()
         second = _step()
@@ -70,13 +70,13 @@ def test_kernel_env_values(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ValueError, match="LZO_KERNEL"):
         _build.load()
     monkeypatch.setenv(_build.ENV_KERNEL, "cpp")
-    monkeypatch.setattr(_build, "_compiler", lambda: None)
+    monkeypatch.setattr(_build, "find_compiler", lambda: None)
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         _build.load()
 
 
 def test_failing_compile_raises_clear_error(fresh: Path, capsys) -> None:
-    if _build._compiler() is None:
+    if _build.find_compiler() is None:
         pytest.skip("no C++ compiler here")
     broken = fresh / "broken"
     shutil.copytree(_build.source_dir(), broken)

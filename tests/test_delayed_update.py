@@ -207,20 +207,33 @@ def test_bf16_delayed_matches_a_stale_reference_using_the_same_kernel() -> None:
 
 def test_cpu_affinity_binds_the_step_and_bad_cores_are_an_error() -> None:
     import os
+    from pathlib import Path
+
+    def thread_affinities() -> dict[int, set[int]]:  # Linux: every thread of this process
+        return {int(t.name): os.sched_getaffinity(int(t.name))
+                for t in Path("/proc/self/task").iterdir()}
 
     cores = sorted(os.sched_getaffinity(0))
     with pytest.raises(ValueError, match="cpu_affinity"):
         ZeroOffload(make(), torch.optim.AdamW(make().parameters()), cpu_affinity=[max(cores) + 1])
-    results = []
-    for kw in ({}, {"cpu_affinity": cores[:1]}):
+    if len(cores) < 2:
+        pytest.skip("binding is only visible with two or more usable cores")
+    results, bound = [], []
+    for kw in ({}, {"cpu_affinity": cores[-1:]}):
+        before = set(thread_affinities())
         model = make()
         eng = ZeroOffload(model, torch.optim.AdamW(param_groups(model)), precision="32-true", **kw)
         for x, y in batches(3):
             eng.backward(lm_loss(eng.module(x), y))
             eng.step()
             eng.zero_grad()
+        # the threads the engine started for its CPU step, and the cores each may run on
+        bound.append([a for t, a in thread_affinities().items() if t not in before])
         results.append([p.detach().clone() for p in eng.module.parameters()])
         eng.teardown()
+    assert os.sched_getaffinity(0) == set(cores)  # the caller's thread is left alone
+    assert all(a == set(cores) for a in bound[0])  # unbound: nothing restricted
+    assert bound[1] and all(a == set(cores[-1:]) for a in bound[1])  # the step's threads
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
 

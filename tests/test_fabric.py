@@ -91,6 +91,41 @@ def test_save_load_resumes_exactly(tmp_path, sharded):
         torch.optim.AdamW(plain.parameters()).load_state_dict(saved["optimizer"])
 
 
+class SubAdamW(torch.optim.AdamW):
+    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
+
+
+class OwnStepAdamW(torch.optim.AdamW):
+    def step(self, closure=None):  # a different update the fused CPU step would not run
+        return super().step(closure)
+
+
+def test_adamw_subclass_matches_plain_fabric():
+    data = batches()
+    plain = make("auto", optimizer_cls=SubAdamW)
+    train(*plain, data, steps=3)
+    offload = make("zero_offload", optimizer_cls=SubAdamW)
+    train(*offload, data, steps=3)
+    offload[0].strategy.teardown()
+    ref = weights(plain[1])
+    for k, v in weights(offload[1]).items():
+        assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
+    with pytest.raises(TypeError, match="OwnStepAdamW overrides step"):
+        make("zero_offload", optimizer_cls=OwnStepAdamW)
+
+
+def test_precision_is_fabrics_and_an_explicit_other_one_raises():
+    from lightning_zero_offload import ZeroOffloadConfig
+
+    for config in (ZeroOffloadConfig(), ZeroOffloadConfig(precision="bf16-mixed")):
+        fabric, model, _ = make(ZeroOffloadFabricStrategy(config), precision="bf16-mixed")
+        assert fabric.strategy.engine.config.precision == "bf16-mixed"
+        assert next(model.parameters()).dtype == torch.bfloat16
+    match = r"precision='bf16-mixed'\) does not match Fabric\(precision='32-true'\)"
+    with pytest.raises(ValueError, match=match):
+        make(ZeroOffloadFabricStrategy(ZeroOffloadConfig(precision="bf16-mixed")))
+
+
 def test_bf16_mixed_runs_and_loss_falls():
     fabric, model, optimizer = make("zero_offload", precision="bf16-mixed")
     assert next(model.parameters()).dtype == torch.bfloat16
@@ -125,7 +160,7 @@ def test_errors():
 
 
 def _two_rank_run(fabric: Fabric) -> dict:
-    seed_everything(0)
+    seed_everything(fabric.global_rank)  # different starting weights: rank 0's must win
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-2, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)

@@ -35,6 +35,10 @@ def data(n: int = 32, seed: int = 1) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class SubAdamW(torch.optim.AdamW):
+    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
+
+
 class Net(LightningModule):
     def __init__(
         self, lr: float = 5e-2, optimizer: str = "adamw", scheduler: str = "lists"
@@ -69,7 +73,8 @@ class Net(LightningModule):
         params = self.parameters()
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.hparams.lr)
-        optimizer = torch.optim.AdamW(params, lr=self.hparams.lr, weight_decay=0.01)
+        adamw = SubAdamW if self.hparams.optimizer == "adamw_subclass" else torch.optim.AdamW
+        optimizer = adamw(params, lr=self.hparams.lr, weight_decay=0.01)
         form = self.hparams.scheduler  # Lightning's return forms
         sched = torch.optim.lr_scheduler
         if form == "none":
@@ -189,18 +194,26 @@ def test_lr_monitor_and_scheduler_see_live_groups(tmp_path):
     assert logged["off"][-1] < logged["off"][0]  # the StepLR schedule acted
 
 
+class ProfiledNet(OffloadNormNet):
+    def on_train_start(self):
+        self.engine = self.trainer.strategy.engine  # kept past teardown: its step profiles
+
+
 def test_step_profile_and_grad_norm_are_logged_once_per_step(tmp_path):
     logger = CSVLogger(tmp_path, name="profile")
-    model, t = fit(OffloadNormNet, "zero_offload", tmp_path, logger=logger, log_every_n_steps=1)
+    model, t = fit(ProfiledNet, "zero_offload", tmp_path, logger=logger, log_every_n_steps=1)
     with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
         rows = [r for r in csv.DictReader(f) if r.get("zero_offload/cpu_step_ms")]
-    keys = ["zero_offload/grad_norm", *(f"zero_offload/{k}_ms" for k in FIELDS)]
     assert len(rows) == t.global_step == 6  # once per optimizer step, not per micro-batch
-    for row in rows:
-        v = {k.split("/")[1]: float(row[k]) for k in keys}
-        assert v["cpu_step_ms"] > 0 and v["fwd_bwd_ms"] > 0 and v["grad_wait_ms"] >= 0
-        assert v["stall_ms"] >= v["cpu_step_ms"]  # no delayed update: the whole step shows
-        assert v["weight_copy_ms"] == 0  # no device copies on the CPU
+    # each row is its own step's profile as the engine measured it, in milliseconds
+    profiles = model.engine.profile
+    assert [p.step for p in profiles] == [1, 2, 3, 4, 5, 6]
+    for row, prof in zip(rows, profiles, strict=True):
+        for k in FIELDS:
+            assert float(row[f"zero_offload/{k}_ms"]) == pytest.approx(
+                1e3 * getattr(prof, k), rel=1e-6, abs=1e-9), (prof.step, k)
+        assert prof.cpu_step > 0 and prof.fwd_bwd > 0
+        assert prof.weight_copy == 0  # no device copies on the CPU
     # the logged norm is the one the strategy reports (torch's, see the fp32 test)
     assert [float(r["zero_offload/grad_norm"]) for r in rows] == pytest.approx(model.norms)
     assert not any(k.startswith("zero_offload/") for k in t.progress_bar_metrics)
@@ -421,8 +434,32 @@ def test_strategy_options():
         ZeroOffloadStrategy(bucket_mb=1)
     with pytest.raises(TypeError, match="Trainer"):
         ZeroOffloadStrategy(precision="bf16-mixed")
-    with pytest.raises(ValueError, match="disagrees"):
-        trainer(ZeroOffloadStrategy(ZeroOffloadConfig(precision="16-mixed"))).fit(Net(), loader())
+
+
+
+@pytest.mark.parametrize("explicit", ["bf16-mixed", "16-mixed"])
+def test_config_precision_that_disagrees_with_the_trainer_raises(explicit):
+    # "bf16-mixed" was the old default, so an explicit one used to be silently overridden
+    strategy = ZeroOffloadStrategy(ZeroOffloadConfig(precision=explicit))
+    match = rf"precision='{explicit}'\) does not match Trainer\(precision='32-true'\)"
+    with pytest.raises(ValueError, match=match):
+        trainer(strategy, max_steps=1).fit(Net(), loader())
+
+
+@pytest.mark.parametrize("config", [ZeroOffloadConfig(), ZeroOffloadConfig(precision="bf16-mixed")])
+def test_config_precision_unset_or_equal_takes_the_trainers(tmp_path, config):
+    model, _ = fit(ProfiledNet, ZeroOffloadStrategy(config), tmp_path, precision="bf16-mixed",
+                   max_steps=1)
+    assert model.engine.config.precision == "bf16-mixed"
+    assert model.engine.compute_dtype == torch.bfloat16
+
+
+def test_adamw_subclass_trains_like_the_default_strategy(tmp_path):
+    kwargs = {"model_kwargs": {"optimizer": "adamw_subclass"}}
+    ref, _ = fit(Net, "auto", tmp_path / "ref", **kwargs)
+    off, t = fit(ProfiledNet, "zero_offload", tmp_path / "off", **kwargs)
+    assert type(off.engine.optimizer).__name__ == "SubAdamW"
+    assert_close(weights(off), weights(ref))
 
 
 def test_lightning_cli_class_path(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from _accelerate_state import reset_accelerate  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from lightning_zero_offload.transformers import (  # noqa: E402
@@ -24,11 +24,9 @@ STEPS = 6
 def _clean_state(monkeypatch):
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def _model() -> LlamaForCausalLM:
@@ -66,7 +64,7 @@ def _history(trainer) -> tuple[list, list]:
 
 
 def _master(trainer) -> dict:
-    engine = getattr(trainer, "_zero_offload_engine", lambda: None)()
+    engine = getattr(trainer, "zero_offload_engine", None)
     if engine is None:
         return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
     return engine.full_state_dict()["model"]
@@ -81,12 +79,12 @@ def _rel_err(a: dict, b: dict) -> float:
 def test_trainer_matches_plain_trainer(tmp_path):
     plain = Trainer(model=_model(), args=_args(tmp_path / "plain"), train_dataset=_Data())
     plain.train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                               args=_args(tmp_path / "zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))
     ours.train()
-    engine = ours._zero_offload_engine()
+    engine = ours.zero_offload_engine
     assert engine is not None and engine.compute_dtype == torch.float32
     assert ours.model is engine.module
     plain_loss, plain_norm = _history(plain)
@@ -103,7 +101,7 @@ def test_flag_from_environment_and_fp32_save_model(tmp_path, monkeypatch):
     trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                                  args=_args(tmp_path / "run", bf16=True, max_steps=2))
     trainer.train()
-    engine = trainer._zero_offload_engine()
+    engine = trainer.zero_offload_engine
     assert engine is not None and engine.compute_dtype == torch.bfloat16
     trainer.save_model(str(tmp_path / "saved"))
     saved = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32)
@@ -118,13 +116,13 @@ def test_flag_off_is_plain_trainer(tmp_path):
                                  args=_args(tmp_path / "run", ZeroOffloadTrainingArguments,
                                             zero_offload=False, max_steps=1))
     trainer.train()
-    assert trainer._zero_offload_engine() is None
+    assert trainer.zero_offload_engine is None
     assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
 
 
 def test_resume_from_checkpoint_equals_straight_run(tmp_path):
     def make(out):
-        AcceleratorState._reset_state(True)
+        reset_accelerate()
         return ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
             args=_args(out, ZeroOffloadTrainingArguments, zero_offload=True, save_strategy="steps",
@@ -149,13 +147,13 @@ def test_bad_options_raise(tmp_path):
             args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
                        zero_offload_config='{"max_grad_norm": 1.0}'),
         ).train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     with pytest.raises(TypeError, match="AdamW"):
         ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
             args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, optim="sgd"),
         ).train()
-    AcceleratorState._reset_state(True)
+    reset_accelerate()
     with pytest.raises(TypeError, match="unknown option"):
         ZeroOffloadTrainer(
             model=_model(), train_dataset=_Data(),
@@ -164,18 +162,58 @@ def test_bad_options_raise(tmp_path):
         )
 
 
+def test_precision_is_the_trainers_and_an_explicit_other_one_raises(tmp_path):
+    ours = ZeroOffloadTrainer(
+        model=_model(), train_dataset=_Data(),
+        args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, bf16=True,
+                   max_steps=1, zero_offload_config={"precision": "bf16-mixed"}),
+    )
+    ours.train()
+    assert ours.zero_offload_engine is not None
+    assert ours.zero_offload_engine.config.precision == "bf16-mixed"
+    reset_accelerate()
+    match = (r"precision='bf16-mixed'\) does not match TrainingArguments\(bf16=False, "
+             r"fp16=False\), which means precision '32-true'")
+    with pytest.raises(ValueError, match=match):
+        ZeroOffloadTrainer(
+            model=_model(), train_dataset=_Data(),
+            args=_args(tmp_path, ZeroOffloadTrainingArguments, zero_offload=True,
+                       zero_offload_config={"precision": "bf16-mixed"}),
+        ).train()
+
+
+class SubAdamW(torch.optim.AdamW):
+    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
+
+
+def test_adamw_subclass_matches_plain_trainer(tmp_path):
+    def run(cls, out, **kw):
+        reset_accelerate()
+        model = _model()
+        opt = SubAdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
+        trainer = cls(model=model, train_dataset=_Data(), optimizers=(opt, None),
+                      args=_args(out, ZeroOffloadTrainingArguments, **kw))
+        trainer.train()
+        return trainer
+
+    plain = run(Trainer, tmp_path / "plain")
+    ours = run(ZeroOffloadTrainer, tmp_path / "zo", zero_offload=True)
+    assert type(ours.zero_offload_engine.optimizer).__name__ == "SubAdamW"
+    assert _history(ours)[0] == pytest.approx(_history(plain)[0], rel=1e-5)
+    assert _rel_err(_master(ours), _master(plain)) < 1e-5
+
+
 def _compare_trainers(rank: int, world: int, out: str) -> tuple:
     os.environ["ACCELERATE_USE_CPU"] = "true"
     plain = Trainer(model=_model(), args=_args(f"{out}/plain"), train_dataset=_Data())
     plain.train()
     assert plain.accelerator.num_processes == world and plain.args.world_size == world
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
                               args=_args(f"{out}/zo", ZeroOffloadTrainingArguments,
                                          zero_offload=True))
     ours.train()
-    assert ours._zero_offload_engine().world_size == world
+    assert ours.zero_offload_engine.world_size == world
     return _history(plain), _history(ours), _rel_err(_master(ours), _master(plain))
 
 

@@ -16,13 +16,12 @@ RECIPE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer_classifi
 
 
 def test_classification_recipe_quick(tmp_path, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
+    from _accelerate_state import reset_accelerate
 
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     spec = importlib.util.spec_from_file_location("hf_trainer_classification", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # dataclasses look the module up
@@ -31,5 +30,4 @@ def test_classification_recipe_quick(tmp_path, monkeypatch):
     assert result["eval_loss_after"] < result["eval_loss_before"]
     assert result["accuracy"] > result["chance"] + 0.3
     assert result["summary"].startswith("ZeRO-Offload profile, median of")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()

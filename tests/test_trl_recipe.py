@@ -63,13 +63,12 @@ def test_sft_config_takes_zero_offload_options_and_bare_flag():
 
 
 def test_trl_recipe_adapter_reproduces_trained_logits(tmp_path, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
+    from _accelerate_state import reset_accelerate
     from peft import AutoPeftModelForCausalLM
 
     for var in [v for v in os.environ if v.startswith("ZERO_OFFLOAD")]:
         monkeypatch.delenv(var)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     mod = _recipe()
     recipe = mod.SFTRecipe(mod.parse_args(["--tiny-random-llama", "--max-steps", "5",
                                            "--log-every", "1", "--output-dir", str(tmp_path)]))
@@ -83,8 +82,7 @@ def test_trl_recipe_adapter_reproduces_trained_logits(tmp_path, monkeypatch):
     model.eval()
     with torch.no_grad():
         trained = model(**probe).logits.float()
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
     loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
     with torch.no_grad():

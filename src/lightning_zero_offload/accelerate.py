@@ -31,12 +31,8 @@ keyword arguments.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import typing
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -44,8 +40,19 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
+from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.core.config_env import (
+    ENV_CONFIG,
+    ENV_PREFIX,
+    build_config,
+    check_option_names,
+    config_overrides_from_env,
+    load_config_file,
+    zero_offload_enabled,
+)
+from lightning_zero_offload.core.optimizer import mark_stepped
 
 __all__ = [
     "ZeroOffloadPlugin",
@@ -56,139 +63,11 @@ __all__ = [
     "mixed_precision_to_precision",
 ]
 
-ENV_FLAG = "ZERO_OFFLOAD"
-ENV_CONFIG = "ZERO_OFFLOAD_CONFIG"
-ENV_PREFIX = "ZERO_OFFLOAD_"
 CHECKPOINT_SUBDIR = "zero_offload"  # per-rank engine shards inside an accelerate/Trainer checkpoint
 _SHARDED_MARKER = "zero_offload_sharded_checkpoint"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+_PREPARED = "_is_accelerate_prepared"  # Accelerate's mark on what its prepare() returned
 _PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-
-
-# ----------------------------------------------------------------------------------------------
-# Options from the environment
-
-
-def _parse_bool(source: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{source}={text!r} is not a boolean; use 1/0, true/false, yes/no or on/off")
-
-
-def zero_offload_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``ZERO_OFFLOAD`` turns the engine on (unset or empty means off)."""
-    env = os.environ if environ is None else environ
-    return _parse_bool(ENV_FLAG, env.get(ENV_FLAG, ""))
-
-
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(ZeroOffloadConfig)
-
-
-def _coerce(source: str, value: Any, hint: Any) -> Any:
-    """``value`` (text from a variable, or a JSON/YAML scalar) as the field's type, or a
-    ValueError that names ``source``."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next(a for a in args if a is not type(None)) if args else hint
-    expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
-    if typing.get_origin(base) is tuple:  # cpu_affinity: "0,1,2" (or "[0, 1, 2]", a list)
-        return _coerce_ints(source, value, optional)
-    if base not in (bool, int, float, str):
-        raise TypeError(f"no parser for option {source} of type {hint}")
-    if isinstance(value, str) and base is not str:
-        text = value.strip()
-        if optional and text.lower() in ("none", "null"):
-            return None
-        if base is bool:
-            return _parse_bool(source, text)
-        try:
-            return base(text)
-        except ValueError:
-            raise ValueError(f"{source}={value!r}: expected {expected}") from None
-    if value is None and optional:
-        return None
-    if base is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, base) and not (base is int and isinstance(value, bool)):
-        return value
-    raise ValueError(f"{source}={value!r}: expected {expected}")
-
-
-def _coerce_ints(source: str, value: Any, optional: bool) -> tuple[int, ...] | None:
-    """Comma-separated ints from a variable, or a list of ints from a file."""
-    text = value.strip() if isinstance(value, str) else None
-    if optional and (value is None or (text or "").lower() in ("none", "null")):
-        return None
-    items = value if text is None else text.strip("[]()").replace(",", " ").split()
-    try:
-        if not isinstance(items, (list, tuple)) or not items or any(
-            isinstance(i, (bool, float)) for i in items
-        ):
-            raise ValueError
-        return tuple(int(i) for i in items)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{source}={value!r}: expected comma-separated integers such as 0,1,2"
-            + (" (or none)" if optional else "")
-        ) from None
-
-
-def load_config_file(path: str | os.PathLike, *, source: str = ENV_CONFIG) -> dict[str, Any]:
-    """ZeroOffloadConfig fields from a ``.json`` or ``.yaml``/``.yml`` mapping (checked)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{source}={str(path)!r}: no such file")
-    text = file.read_text()
-    try:
-        if file.suffix == ".json":
-            data = json.loads(text)
-        elif file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        else:
-            raise ValueError(f"{source}={str(path)!r}: use a .json, .yaml or .yml file")
-    except (json.JSONDecodeError, ImportError) as e:
-        raise ValueError(f"{source}={str(path)!r} could not be read: {e}") from None
-    except Exception as e:  # yaml.YAMLError without importing yaml at module level
-        if isinstance(e, ValueError):
-            raise
-        raise ValueError(f"{source}={str(path)!r} could not be read: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}={str(path)!r} must hold a mapping of ZeroOffloadConfig fields")
-    hints = _field_types()
-    unknown = sorted(set(data) - set(hints))
-    if unknown:
-        raise ValueError(f"{source}={str(path)!r}: unknown option(s) {unknown}; "
-                         f"ZeroOffloadConfig fields are {sorted(hints)}")
-    return {k: _coerce(f"{path}: {k}", v, hints[k]) for k, v in data.items()}
-
-
-def config_overrides_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """ZeroOffloadConfig fields set by ``ZERO_OFFLOAD_CONFIG`` and ``ZERO_OFFLOAD_<FIELD>``
-    (the variables win over the file). A misspelt variable raises instead of being ignored."""
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    if env.get(ENV_CONFIG, "").strip():
-        values.update(load_config_file(env[ENV_CONFIG].strip()))
-    hints = _field_types()
-    for var in sorted(env):
-        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG:
-            continue
-        name = var[len(ENV_PREFIX):].lower()
-        if name not in hints:
-            known = [ENV_CONFIG] + [ENV_PREFIX + n.upper() for n in sorted(hints)]
-            raise ValueError(f"{var} is not a ZeroOffload option; the variables are {known}")
-        values[name] = _coerce(var, env[var], hints[name])
-    return values
 
 
 def mixed_precision_to_precision(mixed_precision: str) -> str:
@@ -201,11 +80,20 @@ def mixed_precision_to_precision(mixed_precision: str) -> str:
     return _PRECISION[mixed_precision]
 
 
-def _build_config(values: dict[str, Any], where: str) -> ZeroOffloadConfig:
-    try:
-        return ZeroOffloadConfig(**values)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{e} (options from {where})") from None
+def save_shards(engine: ZeroOffload, checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Collective: every rank writes its engine shard into ``checkpoint_dir/zero_offload``."""
+    engine.save_checkpoint(os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR), sharded=True)
+
+
+def load_shards(engine: ZeroOffload, checkpoint_dir: str | os.PathLike[str]) -> None:
+    """Collective: the engine state from ``save_shards``' folder, at any world size."""
+    path = os.path.join(checkpoint_dir, CHECKPOINT_SUBDIR)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: {checkpoint_dir} was saved without ZeRO-Offload, so it holds "
+            "no ZeRO-Offload optimizer shards to resume from; resume it without ZeRO-Offload"
+        )
+    engine.load_checkpoint(path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,25 +115,29 @@ class ZeroOffloadAcceleratedOptimizer(AcceleratedOptimizer):
         self._saving = False  # set by the save_state hook: state_dict() returns the marker once
         self._loaded = False  # set by the load_state hook: the marker is then accepted once
 
-    def step(self, closure: Any = None) -> None:
+    @override
+    def step(self, closure: Callable[[], object] | None = None) -> None:
         if closure is not None:
             raise ValueError("ZeRO-Offload's optimizer.step() takes no closure")
         if self.gradient_state.sync_gradients:
             self.optimizer.step()
             # The user's scheduler wrapped the user's optimizer.step (never called now); this is
             # the flag that wrapper would set, so torch does not warn about the call order.
-            self._user_optimizer._opt_called = True
+            mark_stepped(self._user_optimizer)
 
     @property
+    @override
     def step_was_skipped(self) -> bool:
         return bool(self.engine.last_step_skipped)
 
+    @override
     def state_dict(self) -> dict:
         if self._saving:  # accelerate's save_state: the shards are in CHECKPOINT_SUBDIR
             self._saving = False
             return {_SHARDED_MARKER: CHECKPOINT_SUBDIR, "world_size": self.engine.world_size}
         return self.optimizer.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         if _SHARDED_MARKER in state_dict:
             if not self._loaded:
@@ -273,46 +165,38 @@ class ZeroOffloadPlugin:
         config: ZeroOffloadConfig | None = None,
         *,
         enabled: bool | None = None,
-        **overrides: Any,
+        **overrides: object,
     ) -> None:
-        unknown = sorted(set(overrides) - set(_field_types()))
-        if unknown:
-            raise TypeError(f"ZeroOffloadPlugin: unknown option(s) {unknown}; ZeroOffloadConfig "
-                            f"fields are {sorted(_field_types())}")
+        check_option_names(overrides, "ZeroOffloadPlugin")
         self.enabled = zero_offload_enabled() if enabled is None else bool(enabled)
         self._config = config
         self._overrides = overrides
         self.engine: ZeroOffload | None = None
         self.optimizer: ZeroOffloadAcceleratedOptimizer | None = None
 
-    def resolve_config(self, mixed_precision: str) -> ZeroOffloadConfig:
-        """The engine's options: code, then environment, with precision from Accelerate."""
+    def resolve_config(self, mixed_precision: str, *, source: str | None = None
+                       ) -> ZeroOffloadConfig:
+        """The engine's options: code, then environment, with precision from Accelerate
+        (``source`` names the user's setting behind ``mixed_precision`` in errors)."""
         precision = mixed_precision_to_precision(mixed_precision)
         env = config_overrides_from_env()
-        if self._config is not None:
-            if env:
-                raise ValueError(
-                    "ZeroOffloadPlugin got a ZeroOffloadConfig in code and ZeRO-Offload options in "
-                    f"the environment ({sorted(env)}); use one of the two"
-                )
-            values, where = dataclasses.asdict(self._config), "the ZeroOffloadConfig passed in"
-        else:
-            values, where = dict(env), "ZERO_OFFLOAD_* environment variables"
+        if self._config is not None and env:
+            raise ValueError(
+                "ZeroOffloadPlugin got a ZeroOffloadConfig in code and ZeRO-Offload options in "
+                f"the environment ({sorted(env)}); use one of the two"
+            )
         for name, value in self._overrides.items():
             if name in env and env[name] != value:
                 raise ValueError(
                     f"ZeroOffloadPlugin({name}={value!r}) conflicts with the environment's "
                     f"{ENV_PREFIX}{name.upper()} / {ENV_CONFIG} value {env[name]!r}; set it once"
                 )
-            values[name] = value
-        if values.get("precision", precision) != precision:
-            raise ValueError(
-                f"ZeRO-Offload precision {values['precision']!r} (from {where}) does not match "
-                f"Accelerator(mixed_precision={mixed_precision!r}), which means {precision!r}; "
-                "set the precision through Accelerate (mixed_precision / --mixed_precision)"
-            )
-        values["precision"] = precision
-        return _build_config(values, where)
+        where = ("the ZeroOffloadConfig passed in" if self._config is not None
+                 else "ZERO_OFFLOAD_* environment variables")
+        config = build_config(self._config, {**env, **self._overrides}, who="ZeroOffloadPlugin",
+                              where=where)
+        return config.resolve_precision(
+            precision, source=source or f"Accelerator(mixed_precision={mixed_precision!r})")
 
     def prepare(
         self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -332,11 +216,11 @@ class ZeroOffloadPlugin:
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
         engine = ZeroOffload(model, optimizer, config, device=device)
         module = engine.module
-        module._is_accelerate_prepared = True
+        setattr(module, _PREPARED, True)
         # A model prepared for evaluation earlier (Trainer.evaluate before train) is listed once.
         accelerator._models[:] = [m for m in accelerator._models if m is not module] + [module]
         wrapped = ZeroOffloadAcceleratedOptimizer(engine, optimizer)
-        wrapped._is_accelerate_prepared = True
+        setattr(wrapped, _PREPARED, True)
         accelerator._optimizers.append(wrapped)
         self.engine, self.optimizer = engine, wrapped
         _route_accelerator(accelerator, engine, wrapped)
@@ -344,7 +228,7 @@ class ZeroOffloadPlugin:
         return (module, wrapped, *(rest if len(other) > 1 else (rest,) if other else ()))
 
 
-def _check_supported(accelerator: Accelerator, model: Any, optimizer: Any) -> None:
+def _check_supported(accelerator: Accelerator, model: object, optimizer: object) -> None:
     if accelerator.distributed_type not in _SUPPORTED:
         raise ValueError(
             f"ZeRO-Offload runs on one or several processes without another sharding backend; "
@@ -377,7 +261,7 @@ def _route_accelerator(
     """Point this accelerator's gradient and checkpoint methods at the engine (instance
     attributes, so other accelerators are untouched)."""
     managed = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
-    plain_clip = accelerator.clip_grad_norm_
+    plain_clip: Callable[..., torch.Tensor | None] = accelerator.clip_grad_norm_
     plain_clip_value = accelerator.clip_grad_value_
     plain_get_state_dict = accelerator.get_state_dict
 
@@ -392,7 +276,8 @@ def _route_accelerator(
         engine.backward(loss / accelerator.gradient_accumulation_steps,
                         sync_gradients=accelerator.sync_gradients)
 
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor | None:
         params, ours = split(parameters)
         if not ours:
             return plain_clip(params, max_norm, norm_type)
@@ -411,7 +296,8 @@ def _route_accelerator(
             )
         return engine.clip_grad_norm_(max_norm, norm_type)
 
-    def clip_grad_value_(parameters: Any, clip_value: float) -> None:
+    def clip_grad_value_(parameters: Iterable[torch.Tensor] | torch.Tensor,
+                         clip_value: float) -> None:
         params, ours = split(parameters)
         if ours:
             raise NotImplementedError("clip_grad_value_ is not supported with ZeRO-Offload (the "
@@ -430,18 +316,12 @@ def _route_accelerator(
         # The engine's folder holds the whole module (master weights, buffers, untrained
         # parameters), so Accelerate does not write it again: its parameters are views of one
         # flat buffer, which safetensors refuses to save or load into.
-        engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), sharded=True)
+        save_shards(engine, output_dir)
         weights[:] = [w for m, w in zip(models, weights, strict=True) if m is not engine.module]
         wrapped._saving = True
 
     def load_hook(models: list, input_dir: str) -> None:
-        path = os.path.join(input_dir, CHECKPOINT_SUBDIR)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"{path} does not exist: {input_dir} was not written by accelerator.save_state "
-                "with ZeroOffloadPlugin, so it holds no ZeRO-Offload optimizer shards"
-            )
-        engine.load_checkpoint(path)
+        load_shards(engine, input_dir)
         models[:] = [m for m in models if m is not engine.module]
         wrapped._loaded = True
 

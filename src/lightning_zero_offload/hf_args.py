@@ -103,7 +103,7 @@ def with_zero_offload(args_cls: type, name: str | None = None, *,
 def __getattr__(name: str) -> Any:
     if name == "ZeroOffloadSFTConfig":
         try:
-            from trl import SFTConfig
+            from trl import SFTConfig  # pyright: ignore[reportPrivateImportUsage]  (lazy export)
         except ImportError as e:
             raise ImportError(f"ZeroOffloadSFTConfig needs TRL ({e}); {_HF_EXTRA}") from e
         return with_zero_offload(SFTConfig, "ZeroOffloadSFTConfig")

@@ -180,9 +180,10 @@ class Plan:
         if self.max_params_that_fit is not None:
             lines.append(f"largest model that fits: {self.max_params_that_fit / 1e9:.2f}B "
                          "parameters (same settings)")
-        if self.cpu_step_seconds is not None:
+        rate = self.kernel_params_per_second
+        if self.cpu_step_seconds is not None and rate is not None:
             lines.append(f"predicted CPU step: {self.cpu_step_seconds:.3f} s per optimizer step "
-                         f"({self.kernel_params_per_second / 1e9:.2f} G params/s measured here "
+                         f"({rate / 1e9:.2f} G params/s measured here "
                          f"with {self.cpu_threads} threads)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -246,12 +247,15 @@ def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
     p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
     g = torch.randn(numel).to(dtype)
     out = torch.empty(numel, dtype=dtype) if half else None
-    kw = dict(lr=1e-4, weight_decay=0.01, out=out, num_threads=threads)
-    fused_adamw_(p, g, m, v, step=1, **kw)  # build/load the kernel and touch every page
+    def run(step: int) -> None:
+        fused_adamw_(p, g, m, v, step=step, lr=1e-4, weight_decay=0.01, out=out,
+                     num_threads=threads)
+
+    run(1)  # build/load the kernel and touch every page
     steps, start = 0, time.perf_counter()
     while True:
         steps += 1
-        fused_adamw_(p, g, m, v, step=steps + 1, **kw)
+        run(steps + 1)
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return steps * numel / elapsed

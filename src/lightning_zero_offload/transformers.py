@@ -20,20 +20,23 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
+from typing_extensions import override
 
 from lightning_zero_offload.accelerate import (
-    CHECKPOINT_SUBDIR,
     ZeroOffloadAcceleratedOptimizer,
     ZeroOffloadPlugin,
-    load_config_file,
-    zero_offload_enabled,
+    load_shards,
+    save_shards,
 )
+from lightning_zero_offload.core import ZeroOffload
+from lightning_zero_offload.core.config_env import load_config_file, zero_offload_enabled
 
 __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer"]
 
@@ -62,17 +65,18 @@ class ZeroOffloadTrainingArguments(TrainingArguments):
                 raise ValueError(f"zero_offload_config is not valid JSON: {e}") from None
 
     @property
+    @override
     def place_model_on_device(self) -> bool | None:
         # The engine moves the model itself, in the compute dtype: never a full fp32 copy.
         return False if _enabled(self) else super().place_model_on_device
 
 
-def _enabled(args: Any) -> bool:
+def _enabled(args: TrainingArguments) -> bool:
     flag = getattr(args, "zero_offload", None)
     return zero_offload_enabled() if flag is None else bool(flag)
 
 
-def _options(args: Any) -> dict[str, Any]:
+def _options(args: TrainingArguments) -> dict[str, object]:
     cfg = getattr(args, "zero_offload_config", None)
     if cfg is None:
         return {}
@@ -84,7 +88,13 @@ def _options(args: Any) -> dict[str, Any]:
                     f"{type(cfg).__name__}")
 
 
-class ZeroOffloadMixin:
+if TYPE_CHECKING:  # the mixin's methods run on a Trainer (it is listed before one)
+    _TrainerBase = Trainer
+else:
+    _TrainerBase = object
+
+
+class ZeroOffloadMixin(_TrainerBase):
     """Puts a Trainer's model and optimizer on the engine; put it first in the bases."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -93,21 +103,23 @@ class ZeroOffloadMixin:
 
     def _zero_offload_plugin(self) -> ZeroOffloadPlugin | None:
         """The plugin when ZeRO-Offload is on for this Trainer's args, else None."""
-        plugin = self.__dict__.get("_zo_plugin")
-        if plugin is None:
-            plugin = ZeroOffloadPlugin(enabled=True, **_options(self.args)) if _enabled(
-                self.args) else False
-            self._zo_plugin = plugin
-        return plugin or None
+        if "_zo_plugin" not in self.__dict__:
+            self._zo_plugin = (ZeroOffloadPlugin(None, enabled=True, **_options(self.args))
+                               if _enabled(self.args) else None)
+        return self._zo_plugin
 
-    def _zero_offload_engine(self) -> Any:
+    @property
+    def zero_offload_engine(self) -> ZeroOffload | None:
+        """The engine training the model; None before ``create_optimizer`` or when off."""
         plugin = self._zero_offload_plugin()
         return plugin.engine if plugin is not None else None
 
+    @override
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if self._zero_offload_plugin() is None:
             super()._move_model_to_device(model, device)
 
+    @override
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         plugin = self._zero_offload_plugin()
@@ -121,52 +133,60 @@ class ZeroOffloadMixin:
         if self.args.n_gpu > 1:
             raise ValueError("ZeRO-Offload needs one process per GPU (torchrun or accelerate "
                              "launch), not DataParallel over several GPUs in one process")
-        if plugin.resolve_config(self.accelerator.mixed_precision).max_grad_norm is not None:
+        source = f"TrainingArguments(bf16={self.args.bf16}, fp16={self.args.fp16})"
+        if plugin.resolve_config(self.accelerator.mixed_precision,
+                                 source=source).max_grad_norm is not None:
             raise ValueError("set gradient clipping with TrainingArguments.max_grad_norm, not in "
                              "the ZeRO-Offload options (the Trainer clips through the engine)")
         self.model, self.optimizer = plugin.prepare(self.accelerator, self.model, optimizer)
         self.model_wrapped = self.model
         return self.optimizer
 
+    @override
     def train(self, *args: Any, **kwargs: Any) -> Any:
         output = super().train(*args, **kwargs)
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is not None:
             engine.synchronize()  # a delayed update still in flight lands in self.model
         return output
 
+    @override
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is not None:
             engine.synchronize()  # evaluate the latest weights, not one step stale
         return super().evaluation_loop(*args, **kwargs)
 
+    @override
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        engine.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), sharded=True)
+        save_shards(engine, output_dir)
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            torch.save(self._scheduler().state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
+    @override
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"{path} does not exist: {checkpoint} was saved without ZeRO-Offload, so it has "
-                "no optimizer shards to resume from; resume it without ZeRO-Offload"
-            )
-        engine.load_checkpoint(path)
+        load_shards(engine, checkpoint)
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
 
+    def _scheduler(self) -> LRScheduler:
+        scheduler = self.lr_scheduler
+        if not isinstance(scheduler, LRScheduler):  # the Trainer creates it before any save/load
+            raise RuntimeError(f"ZeroOffloadTrainer: expected a torch LR scheduler, got "
+                               f"{type(scheduler).__name__}")
+        return scheduler
+
+    @override
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The fp32 master weights (collective: call it on every rank, as the Trainer does)."""
-        engine = self._zero_offload_engine()
+        engine = self.zero_offload_engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         state_dict = engine.full_state_dict(optimizer=False)["model"]

@@ -54,17 +54,26 @@ def rank_and_world(group: object | None) -> tuple[int, int]:
     return 0, 1
 
 
-def check_optimizer(optimizer: Any) -> bool:
-    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW)."""
+def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW).
+
+    The one optimizer check of the engine and every adapter: ``torch.optim.AdamW`` or ``Adam``,
+    subclasses included unless they replace ``step`` (the fused CPU step runs torch's update, so
+    another ``step`` would be silently ignored)."""
     from lightning_zero_offload.core.optimizer import OffloadOptimizer
 
     if isinstance(optimizer, OffloadOptimizer):
         raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
         raise TypeError(
-            f"ZeroOffload supports torch.optim.AdamW and torch.optim.Adam only (the fused CPU "
-            f"step implements them); got {type(optimizer).__name__}. Create the optimizer with "
-            "torch.optim.AdamW(model.parameters(), ...)"
+            f"ZeroOffload supports torch.optim.AdamW and torch.optim.Adam (or subclasses) only "
+            f"(the fused CPU step implements them); got {type(optimizer).__name__}. Create the "
+            "optimizer with torch.optim.AdamW(model.parameters(), ...)"
+        )
+    if _unwrapped(type(optimizer).step) is not _unwrapped(torch.optim.Adam.step):
+        raise TypeError(
+            f"ZeroOffload: {type(optimizer).__name__} overrides step(), which the fused CPU step "
+            "would not run; use torch.optim.AdamW/Adam (or a subclass that keeps their step)"
         )
     for i, group in enumerate(optimizer.param_groups):
         for key, what in _UNSUPPORTED.items():
@@ -74,6 +83,13 @@ def check_optimizer(optimizer: Any) -> bool:
                     f"not support; supported: AdamW/Adam with {key}=False"
                 )
     return isinstance(optimizer, torch.optim.AdamW)
+
+
+def _unwrapped(fn: object) -> object:
+    """``fn`` without the wrappers torch puts around ``Optimizer.step`` (profiling, grad mode)."""
+    while hasattr(fn, "__wrapped__"):
+        fn = getattr(fn, "__wrapped__")  # noqa: B009
+    return fn
 
 
 def check_params(module: nn.Module, optimizer: torch.optim.Optimizer

@@ -11,6 +11,7 @@ import torch
 from lightning_zero_offload.core.delayed import check_cores
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+DEFAULT_PRECISION = "bf16-mixed"  # of the plain engine, where no framework chooses one
 
 
 @dataclass
@@ -38,9 +39,14 @@ class ZeroOffloadConfig:
     engine issues: a rank that fails or stops makes its peers raise within it, instead of after the
     process group's 30-minute default.
     Every field is type-checked (a bool field takes only True/False, an int field no bool).
+
+    ``precision=None`` (the default) takes the framework's: Lightning's ``precision``,
+    Accelerate's ``mixed_precision``, the transformers Trainer's ``bf16``/``fp16``; the plain
+    engine uses ``DEFAULT_PRECISION`` (``"bf16-mixed"``). An explicit value that disagrees with
+    the framework's raises (:meth:`resolve_precision`).
     """
 
-    precision: str = "bf16-mixed"
+    precision: str | None = None
     max_grad_norm: float | None = None
     bucket_size_mb: float = 25.0
     cpu_threads: int | None = None
@@ -54,10 +60,10 @@ class ZeroOffloadConfig:
     collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(
                 f"ZeroOffloadConfig: precision={self.precision!r} is not supported; use one of "
-                f"{', '.join(map(repr, PRECISIONS))}"
+                f"{', '.join(map(repr, PRECISIONS))}, or None for the framework's"
             )
 
         def fail(name: str, want: str, error: type[Exception] = TypeError) -> None:
@@ -104,7 +110,23 @@ class ZeroOffloadConfig:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return PRECISIONS[self.precision]
+        return PRECISIONS[self.precision or DEFAULT_PRECISION]
+
+    def resolve_precision(self, framework: str | None = None, *, source: str = ""
+                          ) -> ZeroOffloadConfig:
+        """A copy with a concrete precision: ``framework`` (the precision the framework's own
+        setting ``source`` means), else ``DEFAULT_PRECISION`` when unset. The one precision rule
+        of every adapter: an explicit precision that disagrees with the framework's raises."""
+        if framework is None:
+            return self if self.precision else self.replace(precision=DEFAULT_PRECISION)
+        if self.precision is not None and self.precision != framework:
+            where = source or "the framework's precision"
+            raise ValueError(
+                f"ZeroOffloadConfig(precision={self.precision!r}) does not match {where}, which "
+                f"means precision {framework!r}; set the precision once, on the framework, and "
+                "leave ZeroOffloadConfig.precision unset (None)"
+            )
+        return self.replace(precision=framework)
 
     def replace(self, **overrides: object) -> ZeroOffloadConfig:
         """A copy with ``overrides`` applied; unknown names raise a TypeError listing the fields."""

@@ -23,9 +23,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     logs ``lr-AdamW`` as it does without offload); it is not a ``torch.optim.AdamW``."""
 
     def __new__(cls, engine: ZeroOffload, inner: torch.optim.Optimizer) -> OffloadOptimizer:
-        if cls is OffloadOptimizer:
-            cls = _named(type(inner).__name__)
-        return super().__new__(cls)
+        # Optimizer defines no __new__: object's, called with the named subclass
+        return object.__new__(_named(type(inner).__name__) if cls is OffloadOptimizer else cls)
 
     def __init__(self, engine: ZeroOffload, inner: torch.optim.Optimizer) -> None:
         # Optimizer.__init__ would copy the groups; set up what it sets, sharing the groups.
@@ -71,3 +70,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 def _named(name: str) -> type[OffloadOptimizer]:
     """One ``OffloadOptimizer`` subclass per wrapped optimizer class name."""
     return type(name, (OffloadOptimizer,), {"__module__": __name__, "__qualname__": name})
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` has stepped.
+
+    A scheduler warns when ``scheduler.step()`` comes before any ``optimizer.step()``; it learns
+    of a step from a private flag that its wrapper around ``optimizer.step`` sets. Where the
+    engine steps on an optimizer's behalf (the user's idle optimizer, the facade) that wrapper
+    never runs, so the flag is set here, the one place that touches it.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]

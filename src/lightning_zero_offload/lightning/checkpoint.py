@@ -19,9 +19,14 @@ import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_zero_offload.core import state as engine_state
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.types import _PATH
+
+    from lightning_zero_offload.core import ZeroOffload
 
 META = "meta.pt"
 SCALER_KEY = "zero_offload_scaler"
@@ -48,7 +53,7 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
     return state
 
 
-def _sharded_dir(path: Any) -> Path | None:
+def _sharded_dir(path: object) -> Path | None:
     """The folder to read if ``path`` is a sharded checkpoint (or a save killed while replacing
     one left the previous folder; see ``state.resolve``)."""
     if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http:", "https:")):
@@ -60,11 +65,12 @@ def _sharded_dir(path: Any) -> Path | None:
     return folder if (folder / META).is_file() else None
 
 
-def is_sharded(path: Any) -> bool:
+def is_sharded(path: object) -> bool:
     return _sharded_dir(path) is not None
 
 
-def save_sharded(engine: Any, meta: dict[str, Any], path: Any, is_global_zero: bool) -> None:
+def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH,
+                 is_global_zero: bool) -> None:
     """Collective: every rank writes its shard, rank 0 adds ``meta``, published as one folder."""
     trained = {id(s.param): s.name for s in engine.layout.slots}
     aliases = {
@@ -80,7 +86,7 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     return engine_state.load_file(folder / META)  # weights only, checksum verified
 
 
-def load_sharded_meta(path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
     """Rank 0's metadata; ``SHARDED_KEY`` names the directory for ``engine.load_checkpoint``.
     ``weights_only`` is ignored: the metadata is always loaded weights-only."""
     folder = _sharded_dir(path)
@@ -143,13 +149,17 @@ def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
     return pl_load
 
 
+_LOADER = "pl_load"
+
+
 def install_load_guard() -> None:
     """Make ``LightningModule.load_from_checkpoint(sharded_folder)`` raise a clear error instead
     of ``IsADirectoryError`` (wraps the loader Lightning calls; other paths are unchanged)."""
     from lightning.pytorch.core import saving
 
-    if not getattr(saving.pl_load, "zero_offload_guard", False):
-        saving.pl_load = _refusing_sharded(saving.pl_load)
+    loader = getattr(saving, _LOADER)  # the name Lightning calls at load time (not exported)
+    if not getattr(loader, "zero_offload_guard", False):
+        setattr(saving, _LOADER, _refusing_sharded(loader))
 
 
 install_load_guard()

@@ -8,37 +8,40 @@ is not wrapped in DDP; the engine reduces and partitions gradients itself.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.ddp import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Stateful
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.lightning import checkpoint as ckpt
-from lightning_zero_offload.lightning.precision import ZeroOffloadFabricPrecision, precision_name
-from lightning_zero_offload.lightning.strategy import (
-    build_config,
-    check_optimizer,
-    resolve_precision,
+from lightning_zero_offload.lightning.common import (
+    EngineOwner,
+    Scheduler,
+    broadcast_start_weights,
+    norm_clipping_only,
+    register_strategy,
     retarget_scheduler,
+)
+from lightning_zero_offload.lightning.precision import (
+    ZeroOffloadFabricPrecision,
+    as_engine_plugin,
 )
 
 
-class ZeroOffloadFabricStrategy(DDPStrategy):
+class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     """ZeRO-Offload for Fabric; same options as :class:`ZeroOffloadStrategy`.
 
     Set up the model and its one AdamW/Adam optimizer together: ``fabric.setup(model, opt)``.
@@ -62,11 +65,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **config_overrides: Any,
+        **config_overrides: object,
     ) -> None:
-        self.config = build_config(config, config_overrides)
-        self.sharded_checkpoint = sharded_checkpoint
-        self.engine = None
+        self._init_engine_owner(config, sharded_checkpoint, config_overrides)
         self._default_precision = ZeroOffloadFabricPrecision("32-true")
         super().__init__(
             accelerator=accelerator,
@@ -84,40 +85,29 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     @override
     def precision(self) -> ZeroOffloadFabricPrecision:
         # a set _precision means "chosen by the user" to Fabric's connector: keep defaults apart
-        return self._default_precision if self._precision is None else self._precision
+        plugin = self._precision  # the setter only stores ours or None
+        return plugin if isinstance(plugin, ZeroOffloadFabricPrecision) else self._default_precision
 
     @precision.setter
     @override
     def precision(self, plugin: Precision | None) -> None:
-        name = precision_name(plugin)
-        if name is not None and not isinstance(plugin, ZeroOffloadFabricPrecision):
-            plugin = ZeroOffloadFabricPrecision(name)
-        self._precision = plugin
+        self._precision = as_engine_plugin(plugin, ZeroOffloadFabricPrecision)
 
     # -- setup ---------------------------------------------------------------------------------
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[Module, list[Optimizer], Any | None]:
-        if self.engine is not None:
-            raise RuntimeError(
-                "ZeroOffloadFabricStrategy manages one model and optimizer; fabric.setup() was "
-                "already called with an optimizer"
-            )
-        optimizer = check_optimizer(optimizers)
-        if _distributed_is_initialized() and self.world_size > 1:
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                torch.distributed.broadcast(tensor.data, src=0)  # same start on every rank
-        config = resolve_precision(self.config, self.precision.precision)
-        process_group = torch.distributed.group.WORLD if _distributed_is_initialized() else None
-        self.engine = ZeroOffload(
-            module, optimizer, config, process_group=process_group, device=self.root_device
-        )
+        self, module: Module, optimizers: list[Optimizer], scheduler: Scheduler | None = None
+    ) -> tuple[Module, list[Optimizer], Scheduler | None]:
+        broadcast_start_weights(module, self.root_device)
+        precision = self.precision.precision
+        optimizer, engine = self._start_engine(module, optimizers, precision,
+                                               f"Fabric(precision={precision!r})",
+                                               self.root_device)
         if scheduler is not None:
-            retarget_scheduler(scheduler, optimizer, self.engine.optimizer)
-        self.precision.engine = self.engine
-        return self.engine.module, [self.engine.optimizer], scheduler
+            retarget_scheduler(scheduler, optimizer, engine.optimizer)
+        self.precision.engine = engine
+        return engine.module, [engine.optimizer], scheduler
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -143,9 +133,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.teardown(copy_weights_to_module=True)
-            self.engine = None
+        self._stop_engine()
         super().teardown()
 
     # -- clipping ------------------------------------------------------------------------------
@@ -161,8 +149,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     ) -> Tensor:
         self._engine()
         norm = self.precision._clip(float(max_norm), float(norm_type))
-        # fp16 overflow is the loss scaler's business (the step is skipped), not an error
-        if error_if_nonfinite and self.precision.precision != "16-mixed":
+        if error_if_nonfinite and not self.precision.skips_nonfinite_steps:
             if not torch.isfinite(norm):
                 raise RuntimeError(
                     f"The total norm of order {norm_type} of the gradients is non-finite; pass "
@@ -174,12 +161,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     def clip_gradients_value(
         self, module: Module, optimizer: Optimizer, clip_val: float | int
     ) -> None:
-        raise ValueError(
-            "ZeroOffloadFabricStrategy clips by the global gradient norm only (the gradients are "
-            "partitioned on the host); use fabric.clip_gradients(model, optimizer, max_norm=...)"
-        )
+        raise norm_clipping_only("Use fabric.clip_gradients(model, optimizer, max_norm=...)")
 
-    def _engine(self) -> Any:
+    def _engine(self) -> ZeroOffload:
         if self.engine is None:
             raise RuntimeError("Call fabric.setup(model, optimizer) before using the optimizer")
         return self.engine
@@ -190,6 +174,15 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         engine = self.engine
         return engine is not None and (obj is engine.module or obj is engine.optimizer)
 
+    def _owned_keys(self, state: dict[str, Any]) -> dict[str, str]:
+        """The keys of a ``fabric.save``/``load`` state holding the engine's "model" or
+        "optimizer"."""
+        engine = self.engine
+        if engine is None:
+            return {}
+        return {key: "model" if obj is engine.module else "optimizer"
+                for key, obj in state.items() if self._owned(obj)}
+
     @override
     def save_checkpoint(
         self,
@@ -198,21 +191,22 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Any] | None = None,
     ) -> None:
-        owned = {k: _kind(self.engine, v) for k, v in state.items() if self._owned(v)}
+        owned = self._owned_keys(state)
         if not owned:
             super().save_checkpoint(path, state, storage_options, filter)
             return
+        engine = self._engine()
         if filter and set(filter) & set(owned):
             raise ValueError("fabric.save(filter=...) cannot filter the offloaded model/optimizer")
         rest = {k: v for k, v in state.items() if k not in owned}
         converted = self._convert_stateful_objects_in_state(rest, filter=filter or {})
         if self.sharded_checkpoint:
             converted[_OWNED] = owned
-            ckpt.save_sharded(self.engine, converted, path, self.is_global_zero)
+            ckpt.save_sharded(engine, converted, path, self.is_global_zero)
             self.barrier("zero_offload_save")
             return
         kinds = set(owned.values())  # gather only what is saved (the weights are a third)
-        full = self.engine.full_state_dict(  # collective
+        full = engine.full_state_dict(  # collective
             model="model" in kinds, optimizer="optimizer" in kinds
         )
         entries = {"model": full.get("model")}
@@ -235,24 +229,23 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
                 "Load the offloaded model and optimizer through a dict: "
                 "fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
-        owned = {}
-        if isinstance(state, dict):
-            owned = {k: _kind(self.engine, v) for k, v in state.items() if self._owned(v)}
+        owned = self._owned_keys(state) if isinstance(state, dict) else {}
         if not owned:
             if ckpt.is_sharded(path):
                 raise ValueError("A sharded zero_offload checkpoint loads into the set-up model")
             return super().load_checkpoint(path, state, strict, weights_only)
-        assert isinstance(state, dict) and self.engine is not None
+        assert isinstance(state, dict)
+        engine = self._engine()
         if ckpt.is_sharded(path):
             checkpoint = ckpt.load_sharded_meta(path, weights_only)
-            self.engine.load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
+            engine.load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
             checkpoint.pop(_OWNED, None)
         else:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             entries = {kind: checkpoint.pop(key) for key, kind in owned.items()}
             if "model" not in entries:
                 raise ValueError("Load the optimizer state together with its model")
-            self.engine.load_full_state_dict(
+            engine.load_full_state_dict(
                 ckpt.full_state(entries["model"], entries.get("optimizer"))
             )
         rest = {k: v for k, v in state.items() if k not in owned}
@@ -273,18 +266,10 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="ZeRO-Offload: fp32 master weights and AdamW state on the host",
-        )
+        register_strategy(strategy_registry, cls)
 
 
 _OWNED = "zero_offload_owned_keys"  # sharded Fabric meta: which keys held the model/optimizer
-
-
-def _kind(engine: Any, obj: object) -> str:
-    return "model" if obj is engine.module else "optimizer"
 
 
 class _EngineBackwardSync(_BackwardSyncControl):

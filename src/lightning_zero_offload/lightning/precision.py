@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities import apply_to_collection
@@ -26,6 +27,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero_offload.core.config import PRECISIONS
+from lightning_zero_offload.lightning.common import check_clip_algorithm
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,7 +44,20 @@ _HINTS = {
 }
 
 
-def precision_name(plugin: FabricPrecision | None) -> str | None:
+_Plugin = TypeVar("_Plugin", bound="_EngineDriver")
+
+
+def as_engine_plugin(plugin: FabricPrecision | Precision | None, cls: type[_Plugin]
+                     ) -> _Plugin | None:
+    """The plugin Lightning or Fabric picked, as the offload plugin ``cls`` of its precision
+    (``None``, nothing chosen yet, stays ``None``); an unsupported precision raises."""
+    if isinstance(plugin, cls):
+        return plugin
+    name = precision_name(plugin)
+    return None if name is None else cls(name)
+
+
+def precision_name(plugin: FabricPrecision | Precision | None) -> str | None:
     """The offload precision a Lightning or Fabric precision plugin stands for.
 
     ``None`` stays ``None`` (nothing chosen yet). Raises a ValueError naming the supported
@@ -58,7 +73,7 @@ def precision_name(plugin: FabricPrecision | None) -> str | None:
         return "32-true"
     if type(plugin) in (MixedPrecision, FabricMixedPrecision):
         return name  # autocast + GradScaler are replaced by the engine's dtype and loss scaler
-    hint = _HINTS.get(name, "")
+    hint = _HINTS.get(str(name), "")
     raise ValueError(
         f"ZeroOffloadStrategy does not support precision {name!r} ({type(plugin).__name__}); "
         f"choose one of {', '.join(map(repr, SUPPORTED))}" + (f". Hint: {hint}" if hint else "")
@@ -84,6 +99,11 @@ class _EngineDriver:
     @property
     def compute_dtype(self) -> torch.dtype:
         return PRECISIONS[self.precision]
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """fp16's loss scaler skips a step whose gradients overflowed: not an error there."""
+        return self.precision == "16-mixed"
 
     def _engine(self) -> ZeroOffload:
         if self.engine is None:
@@ -123,7 +143,7 @@ class _EngineDriver:
             )
         self._engine().backward(tensor)
 
-    def _step(self, optimizer: Any) -> Tensor | None:
+    def _step(self, optimizer: Optimizable) -> Tensor | None:
         """The optimizer facade's step (so torch's step hooks run); returns the pre-clip global
         gradient norm, or None when no backward ran (the engine then skips the step, as AdamW
         skips parameters without gradients)."""
@@ -213,12 +233,7 @@ class ZeroOffloadPrecision(_EngineDriver, Precision):
     ) -> None:
         if clip_val <= 0:
             return
-        if gradient_clip_algorithm != GradClipAlgorithmType.NORM:
-            raise ValueError(
-                "ZeroOffloadStrategy clips by the global gradient norm only: the gradients live "
-                "partitioned on the host and are scaled inside the CPU step. Use "
-                "gradient_clip_algorithm='norm'"
-            )
+        check_clip_algorithm(gradient_clip_algorithm)
         self._clip(float(clip_val))
 
     @override

@@ -10,84 +10,46 @@ LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Tr
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
 from typing_extensions import override
 
-from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.core import ZeroOffloadConfig
 from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import checkpoint as ckpt
-from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, precision_name
+from lightning_zero_offload.lightning.common import (
+    EngineOwner,
+    broadcast_start_weights,
+    check_clip_algorithm,
+    register_strategy,
+    retarget_scheduler,
+)
+from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, as_engine_plugin
 
 
-def build_config(config: ZeroOffloadConfig | None, overrides: dict[str, Any]) -> ZeroOffloadConfig:
-    """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied.
-
-    ``precision`` is not a shortcut: the Trainer's or Fabric's ``precision=`` chooses it, so
-    there is one place to set it.
-    """
-    if "precision" in overrides:
-        raise TypeError(
-            "ZeroOffloadStrategy(precision=...) is not an option: set the precision on the "
-            "Trainer or Fabric, e.g. Trainer(strategy='zero_offload', precision='bf16-mixed')"
-        )
-    if config is not None and not isinstance(config, ZeroOffloadConfig):
-        raise TypeError(f"config must be a ZeroOffloadConfig, got {type(config).__name__}")
-    return (config or ZeroOffloadConfig()).replace(**overrides)
-
-
-def resolve_precision(config: ZeroOffloadConfig, chosen: str) -> ZeroOffloadConfig:
-    """The config with the framework's precision; a config asking for another is an error."""
-    default = ZeroOffloadConfig.precision
-    if config.precision not in (chosen, default):
-        raise ValueError(
-            f"ZeroOffloadConfig(precision={config.precision!r}) disagrees with the framework's "
-            f"precision {chosen!r}; set the precision once, on the Trainer or Fabric"
-        )
-    return config.replace(precision=chosen)
-
-
-def check_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
-    """The single AdamW/Adam optimizer the engine can take over, or a clear error."""
-    if len(optimizers) != 1:
-        raise ValueError(
-            f"ZeroOffloadStrategy needs exactly one optimizer (torch.optim.AdamW or Adam) from "
-            f"configure_optimizers, got {len(optimizers)}"
-        )
-    (optimizer,) = optimizers
-    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
-        raise TypeError(
-            f"ZeroOffloadStrategy runs AdamW/Adam on the CPU and got {type(optimizer).__name__}; "
-            "return torch.optim.AdamW (or Adam) from configure_optimizers"
-        )
-    return optimizer
-
-
-class ZeroOffloadStrategy(DDPStrategy):
+class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     """ZeRO-Offload for the Lightning Trainer: fp32 masters and Adam moments on the host.
 
     Args:
         config: engine options (:class:`~lightning_zero_offload.ZeroOffloadConfig`); its fields
             may also be passed as keyword shortcuts, e.g. ``ZeroOffloadStrategy(cpu_threads=8)``.
             The precision comes from ``Trainer(precision=...)``: ``"32-true"``,
-            ``"bf16-mixed"`` or ``"16-mixed"``.
+            ``"bf16-mixed"`` or ``"16-mixed"`` (a config whose ``precision`` is set must agree).
         sharded_checkpoint: write checkpoints as a directory with one file per rank (each rank's
             partition of the master weights and Adam state) instead of one consolidated file.
             Use it when the model is too large to gather on one rank. Consolidated files hold
@@ -121,11 +83,9 @@ class ZeroOffloadStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **config_overrides: Any,
+        **config_overrides: object,
     ) -> None:
-        self.config = build_config(config, config_overrides)
-        self.sharded_checkpoint = sharded_checkpoint
-        self.engine = None
+        self._init_engine_owner(config, sharded_checkpoint, config_overrides)
         self._logged_profile = 0  # the engine step whose profile was logged last
         self._default_precision = ZeroOffloadPrecision("32-true")
         super().__init__(
@@ -146,17 +106,13 @@ class ZeroOffloadStrategy(DDPStrategy):
     def precision_plugin(self) -> ZeroOffloadPrecision:
         # the default is kept apart: a set _precision_plugin means "chosen by the user" to
         # Lightning's connector, which would then ignore Trainer(precision=...)
-        if self._precision_plugin is None:
-            return self._default_precision
-        return self._precision_plugin
+        plugin = self._precision_plugin  # the setter only stores ours or None
+        return plugin if isinstance(plugin, ZeroOffloadPrecision) else self._default_precision
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        name = precision_name(plugin)
-        if name is not None and not isinstance(plugin, ZeroOffloadPrecision):
-            plugin = ZeroOffloadPrecision(name)
-        self._precision_plugin = plugin
+        self._precision_plugin = as_engine_plugin(plugin, ZeroOffloadPrecision)
 
     # -- behaviour switches --------------------------------------------------------------------
 
@@ -182,8 +138,7 @@ class ZeroOffloadStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         if not fitting:  # evaluation: the fp32 module on the device, nothing to offload
             self.model_to_device()
-        if self.world_size > 1:  # the same weights on every rank, as DDP's wrapper ensures
-            _sync_module_states(self.model)
+        broadcast_start_weights(self.model, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self._build_engine(trainer)
@@ -192,28 +147,21 @@ class ZeroOffloadStrategy(DDPStrategy):
     def _build_engine(self, trainer: Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(
-                "ZeroOffloadStrategy clips by the global gradient norm only: the gradients live "
-                "partitioned on the host and are scaled inside the CPU step. Use "
-                "gradient_clip_algorithm='norm'"
-            )
+        if trainer.gradient_clip_val:
+            check_clip_algorithm(trainer.gradient_clip_algorithm)
         if self.config.max_grad_norm is not None and trainer.gradient_clip_val:
             raise ValueError(
                 "Set clipping once: either Trainer(gradient_clip_val=...) or "
                 "ZeroOffloadStrategy(max_grad_norm=...), not both"
             )
-        optimizer = check_optimizer(self.optimizers)
-        config = resolve_precision(self.config, self.precision_plugin.precision)
-        process_group = torch.distributed.group.WORLD if _distributed_is_initialized() else None
-        self.engine = ZeroOffload(
-            module, optimizer, config, process_group=process_group, device=self.root_device
-        )
-        facade = self.engine.optimizer
+        precision = self.precision_plugin.precision
+        optimizer, engine = self._start_engine(module, self.optimizers, precision,
+                                               f"Trainer(precision={precision!r})",
+                                               self.root_device)
         for lr_config in self.lr_scheduler_configs:
-            retarget_scheduler(lr_config.scheduler, optimizer, facade)
-        self.optimizers = [facade]
-        self.precision_plugin.engine = self.engine
+            retarget_scheduler(lr_config.scheduler, optimizer, engine.optimizer)
+        self.optimizers = [engine.optimizer]
+        self.precision_plugin.engine = engine
         self._logged_profile = 0
 
     @override
@@ -224,9 +172,7 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.teardown(copy_weights_to_module=True)
-            self.engine = None
+        self._stop_engine()
         super().teardown()
 
     @override
@@ -246,7 +192,8 @@ class ZeroOffloadStrategy(DDPStrategy):
 
     @override
     def optimizer_step(
-        self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None, **kwargs: Any
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any],
+        model: LightningModule | Module | None = None, **kwargs: Any
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._log_step()
@@ -348,33 +295,4 @@ class ZeroOffloadStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="ZeRO-Offload: fp32 master weights and AdamW state on the host",
-        )
-
-
-def retarget_scheduler(scheduler: Any, user_optimizer: Any, facade: Any) -> None:
-    """Point an LR scheduler at the engine's optimizer (same group dicts, so nothing moves).
-
-    Lightning and ``LearningRateMonitor`` then see one optimizer, not the user's idle AdamW
-    next to the engine's. The step-tracking mark torch's scheduler put on the user's optimizer
-    is carried over, so the scheduler does not warn that ``optimizer.step()`` was never called.
-    """
-    if getattr(scheduler, "optimizer", None) is not user_optimizer:
-        raise ValueError(
-            "ZeroOffloadStrategy: an LR scheduler from configure_optimizers is attached to "
-            "another optimizer than the one returned with it"
-        )
-    scheduler.optimizer = facade
-    facade._opt_called = True  # torch's flag: the engine steps on the user's behalf
-    step = facade.step
-    if not hasattr(step, "_wrapped_by_lr_sched"):
-
-        @functools.wraps(step)
-        def tracked_step(*args: Any, **kwargs: Any) -> Any:
-            return step(*args, **kwargs)
-
-        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        facade.step = tracked_step
+        register_strategy(strategy_registry, cls)

@@ -86,7 +86,8 @@ def cache_key(src: Path | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C++ compiler a build would use (``$CXX``, else ``c++``), or None when there is none."""
     cxx = os.environ.get("CXX", "c++").split()
     return shutil.which(cxx[0]) if cxx else None
 
@@ -129,7 +130,7 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
     # ninja is a dependency; make the venv's copy visible even when the venv is not activated.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env_path])
     try:
-        return cpp_extension.load(
+        built = cpp_extension.load(  # a module (is_python_module defaults to True)
             name=module_name(build_dir),
             sources=[str(s) for s in sources(src)],
             extra_cflags=cflags(),
@@ -137,6 +138,8 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
             build_directory=str(build_dir),
             verbose=verbose,
         )
+        assert isinstance(built, ModuleType)
+        return built
     except Exception as e:  # noqa: BLE001 - re-raised with the compiler output and a remedy
         raise RuntimeError(
             f"lightning-zero-offload: building the C++ CPU Adam kernel in {build_dir} failed.\n"
@@ -161,7 +164,7 @@ def load() -> ModuleType | None:
             return _ext
         build_dir = build_root() / cache_key()
         module = _import_built(build_dir)
-        if module is None and _compiler() is None:
+        if module is None and find_compiler() is None:
             if mode == "cpp":
                 raise RuntimeError(
                     f"lightning-zero-offload: {ENV_KERNEL}=cpp but no C++ compiler was found "

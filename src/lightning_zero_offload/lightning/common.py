@@ -1,0 +1,154 @@
+"""What the Trainer and the Fabric strategies share: options, the engine's life cycle, the
+starting weights, the scheduler hand-over and registration.
+
+As in Lightning itself, the Trainer side builds on the Fabric side: this module imports only
+``lightning.fabric`` (and the engine), and both ``strategy.py`` and ``fabric.py`` import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from torch.nn import Module
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+from lightning_zero_offload.core.checks import collective_device
+from lightning_zero_offload.core.config_env import build_config
+from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
+from lightning_zero_offload.lightning.registry import NAME
+
+Scheduler = LRScheduler | ReduceLROnPlateau
+
+
+def strategy_config(config: ZeroOffloadConfig | None, overrides: dict[str, object]
+                    ) -> ZeroOffloadConfig:
+    """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied.
+
+    ``precision`` is not a shortcut: the Trainer's or Fabric's ``precision=`` chooses it, so
+    there is one place to set it.
+    """
+    if "precision" in overrides:
+        raise TypeError(
+            "ZeroOffloadStrategy(precision=...) is not an option: set the precision on the "
+            "Trainer or Fabric, e.g. Trainer(strategy='zero_offload', precision='bf16-mixed')"
+        )
+    return build_config(config, overrides, who="ZeroOffloadStrategy",
+                        where="the ZeroOffloadStrategy arguments")
+
+
+def norm_clipping_only(fix: str) -> ValueError:
+    """The error for any clipping but by the global norm; ``fix`` says what to call instead."""
+    return ValueError(
+        "ZeroOffloadStrategy clips by the global gradient norm only: the gradients live "
+        f"partitioned on the host and are scaled inside the CPU step. {fix}"
+    )
+
+
+def check_clip_algorithm(algorithm: object) -> None:
+    """The Trainer's ``gradient_clip_algorithm`` (``None`` means the default, norm)."""
+    if algorithm not in (None, "norm"):
+        raise norm_clipping_only("Use gradient_clip_algorithm='norm'")
+
+
+def single_optimizer(optimizers: Sequence[Optimizer]) -> Optimizer:
+    """The one optimizer the engine takes over (its kind is checked by the engine)."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"ZeroOffloadStrategy needs exactly one optimizer (torch.optim.AdamW or Adam) from "
+            f"configure_optimizers, got {len(optimizers)}"
+        )
+    return optimizers[0]
+
+
+def broadcast_start_weights(module: Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP's wrapper ensures at its start.
+
+    The module may still be on the host (the engine moves it later); a backend that only
+    talks between devices (NCCL) gets each tensor through ``device`` one at a time.
+    """
+    if not _distributed_is_initialized() or dist.get_world_size() < 2:
+        return
+    wire = collective_device(dist.group.WORLD, device)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        data = tensor.data
+        sent = data.to(wire)
+        dist.broadcast(sent, src=0)
+        if sent is not data:
+            data.copy_(sent)
+
+
+class EngineOwner:
+    """The engine state of a strategy (a base placed before ``DDPStrategy``)."""
+
+    config: ZeroOffloadConfig
+    sharded_checkpoint: bool
+    engine: ZeroOffload | None
+
+    def _init_engine_owner(self, config: ZeroOffloadConfig | None, sharded_checkpoint: bool,
+                           overrides: dict[str, object]) -> None:
+        self.config = strategy_config(config, overrides)
+        self.sharded_checkpoint = sharded_checkpoint
+        self.engine = None
+
+    def _start_engine(self, module: Module, optimizers: Sequence[Optimizer], precision: str,
+                      source: str, device: torch.device) -> tuple[Optimizer, ZeroOffload]:
+        """Build the engine over ``module`` and its one optimizer; returns the user's
+        optimizer and the engine. ``source`` names the framework's precision setting."""
+        if self.engine is not None:
+            raise RuntimeError(
+                "ZeroOffloadStrategy manages one model and optimizer; it already has an engine "
+                "(fabric.setup() with an optimizer was already called)"
+            )
+        optimizer = single_optimizer(optimizers)
+        config = self.config.resolve_precision(precision, source=source)
+        process_group = dist.group.WORLD if _distributed_is_initialized() else None
+        self.engine = ZeroOffload(module, optimizer, config, process_group=process_group,
+                                  device=device)
+        return optimizer, self.engine
+
+    def _stop_engine(self) -> None:
+        """Collective: the engine's fp32 master weights go back into the module."""
+        if self.engine is not None:
+            self.engine.teardown(copy_weights_to_module=True)
+            self.engine = None
+
+
+def register_strategy(registry: _StrategyRegistry, cls: type) -> None:
+    """Add ``cls`` under ``"zero_offload"`` (Trainer and Fabric registries alike)."""
+    registry.register(
+        NAME, cls, description="ZeRO-Offload: fp32 master weights and AdamW state on the host"
+    )
+
+
+def retarget_scheduler(scheduler: Scheduler, user_optimizer: Optimizer,
+                       facade: OffloadOptimizer) -> None:
+    """Point an LR scheduler at the engine's optimizer (same group dicts, so nothing moves).
+
+    Lightning and ``LearningRateMonitor`` then see one optimizer, not the user's idle AdamW
+    next to the engine's. The step-tracking mark torch's scheduler put on the user's optimizer
+    is carried over, so the scheduler does not warn that ``optimizer.step()`` was never called.
+    """
+    if getattr(scheduler, "optimizer", None) is not user_optimizer:
+        raise ValueError(
+            "ZeroOffloadStrategy: an LR scheduler from configure_optimizers is attached to "
+            "another optimizer than the one returned with it"
+        )
+    scheduler.optimizer = facade
+    mark_stepped(facade)
+    step: Callable[..., object] = facade.step
+    if not hasattr(step, "_wrapped_by_lr_sched"):
+
+        @functools.wraps(step)
+        def tracked_step(*args: object, **kwargs: object) -> object:
+            return step(*args, **kwargs)
+
+        tracked_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        facade.step = tracked_step  # type: ignore[method-assign]
