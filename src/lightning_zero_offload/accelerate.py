@@ -35,15 +35,19 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, DynamoBackend
-from torch import nn
-from typing_extensions import override
+from lightning_zero_offload._extras import require_extra
 
-from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core.config_env import (
+require_extra("lightning_zero_offload.accelerate", "accelerate", "accelerate")
+
+import torch  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DistributedType, DynamoBackend  # noqa: E402
+from torch import nn  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
+from lightning_zero_offload.core.config_env import (  # noqa: E402
     ENV_CONFIG,
     ENV_PREFIX,
     build_config,
@@ -52,7 +56,7 @@ from lightning_zero_offload.core.config_env import (
     load_config_file,
     zero_offload_enabled,
 )
-from lightning_zero_offload.core.optimizer import mark_stepped
+from lightning_zero_offload.core.optimizer import mark_stepped  # noqa: E402
 
 __all__ = [
     "ZeroOffloadPlugin",

@@ -31,11 +31,12 @@ _HF_EXTRA = "pip install 'lightning-zero-offload[hf]'"
 _cache: dict[type, type] = {}
 
 
-def _enabled(args: Any) -> bool:
+def enabled(args: Any) -> bool:
+    """Whether ``args`` turn ZeRO-Offload on (its flag, else the ZERO_OFFLOAD environment)."""
     flag = getattr(args, "zero_offload", None)
     if flag is not None:
         return bool(flag)
-    from lightning_zero_offload.accelerate import zero_offload_enabled
+    from lightning_zero_offload.core.config_env import zero_offload_enabled
 
     return zero_offload_enabled()
 
@@ -59,7 +60,7 @@ def _post_init(self: Any) -> None:
 def _place_model_on_device(self: Any) -> bool | None:
     # The engine moves the model itself, in the compute dtype: never a full fp32 copy.
     parent = super(type(self).__zero_offload_class__, self).place_model_on_device
-    return False if _enabled(self) else parent
+    return False if enabled(self) else parent
 
 
 def with_zero_offload(args_cls: type, name: str | None = None, *,

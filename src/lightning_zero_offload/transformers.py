@@ -17,63 +17,38 @@ options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved w
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
-from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME
-from typing_extensions import override
+from lightning_zero_offload._extras import require_extra
 
-from lightning_zero_offload.accelerate import (
+require_extra("lightning_zero_offload.transformers", "transformers", "transformers", "accelerate")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.optim.lr_scheduler import LRScheduler  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.trainer import SCHEDULER_NAME  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from lightning_zero_offload.accelerate import (  # noqa: E402
     ZeroOffloadAcceleratedOptimizer,
     ZeroOffloadPlugin,
     load_shards,
     save_shards,
 )
-from lightning_zero_offload.core import ZeroOffload
-from lightning_zero_offload.core.config_env import load_config_file, zero_offload_enabled
+from lightning_zero_offload.core import ZeroOffload  # noqa: E402
+from lightning_zero_offload.core.config_env import load_config_file  # noqa: E402
+from lightning_zero_offload.hf_args import enabled, with_zero_offload  # noqa: E402
 
-__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer"]
-
-
-@dataclass
-class ZeroOffloadTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with ZeRO-Offload options (also as ``--zero_offload`` flags)."""
-
-    zero_offload: bool | None = field(
-        default=None,
-        metadata={"help": "Train with ZeRO-Offload. Default: the ZERO_OFFLOAD environment flag."},
-    )
-    zero_offload_config: dict | str | None = field(
-        default=None,
-        metadata={"help": "ZeroOffloadConfig fields: a dict, a JSON string or a .json/.yaml file. "
-                          "Precision follows bf16/fp16 and clipping follows max_grad_norm."},
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        cfg = self.zero_offload_config
-        if isinstance(cfg, str) and cfg.strip().startswith("{"):
-            try:
-                self.zero_offload_config = json.loads(cfg)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"zero_offload_config is not valid JSON: {e}") from None
-
-    @property
-    @override
-    def place_model_on_device(self) -> bool | None:
-        # The engine moves the model itself, in the compute dtype: never a full fp32 copy.
-        return False if _enabled(self) else super().place_model_on_device
+__all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer",
+           "with_zero_offload"]
 
 
-def _enabled(args: TrainingArguments) -> bool:
-    flag = getattr(args, "zero_offload", None)
-    return zero_offload_enabled() if flag is None else bool(flag)
+# ``TrainingArguments`` with the ZeRO-Offload options (also as ``--zero_offload`` flags);
+# ``with_zero_offload(AnyArgs)`` gives the same for any subclass (TRL's ``SFTConfig``...).
+ZeroOffloadTrainingArguments = with_zero_offload(
+    TrainingArguments, "ZeroOffloadTrainingArguments", module=__name__)
 
 
 def _options(args: TrainingArguments) -> dict[str, object]:
@@ -105,7 +80,7 @@ class ZeroOffloadMixin(_TrainerBase):
         """The plugin when ZeRO-Offload is on for this Trainer's args, else None."""
         if "_zo_plugin" not in self.__dict__:
             self._zo_plugin = (ZeroOffloadPlugin(None, enabled=True, **_options(self.args))
-                               if _enabled(self.args) else None)
+                               if enabled(self.args) else None)
         return self._zo_plugin
 
     @property

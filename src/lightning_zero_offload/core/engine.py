@@ -26,7 +26,7 @@ from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, de
 from lightning_zero_offload.core.device import make_device
 from lightning_zero_offload.core.host import HostBuffers, budget
 from lightning_zero_offload.core.layout import build_layout, shard_pieces
-from lightning_zero_offload.core.optimizer import OffloadOptimizer
+from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
 from lightning_zero_offload.core.step import Stepper
@@ -43,7 +43,8 @@ class ZeroOffload:
         config = config if config is not None else ZeroOffloadConfig()
         if not isinstance(config, ZeroOffloadConfig):
             raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
-        self.config = config = config.replace(**overrides) if overrides else config
+        config = config.replace(**overrides) if overrides else config
+        self.config = config = config.resolve_precision()
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
@@ -190,7 +191,7 @@ class ZeroOffload:
             raise
 
     def _step(self) -> Tensor | None:
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
+        mark_stepped(self.optimizer)  # LR schedulers check that the optimizer stepped
         self._check_open()
         self._check_params()
         self._calls += 1

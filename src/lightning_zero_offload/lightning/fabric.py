@@ -30,7 +30,6 @@ from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning.common import (
     EngineOwner,
     Scheduler,
-    broadcast_start_weights,
     norm_clipping_only,
     register_strategy,
     retarget_scheduler,
@@ -99,8 +98,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Scheduler | None = None
     ) -> tuple[Module, list[Optimizer], Scheduler | None]:
-        broadcast_start_weights(module, self.root_device)
-        precision = self.precision.precision
+        precision = self.precision.precision  # the engine starts every rank from rank 0's
         optimizer, engine = self._start_engine(module, optimizers, precision,
                                                f"Fabric(precision={precision!r})",
                                                self.root_device)

@@ -137,8 +137,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         if not fitting:  # evaluation: the fp32 module on the device, nothing to offload
-            self.model_to_device()
-        broadcast_start_weights(self.model, self.root_device)
+            self.model_to_device()  # (when fitting, the engine starts every rank from rank 0's)
+            broadcast_start_weights(self.model, self.root_device)
         if fitting:
             self.setup_optimizers(trainer)
             self._build_engine(trainer)
