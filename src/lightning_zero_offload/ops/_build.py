@@ -55,13 +55,23 @@ def sources(src: Path | None = None) -> list[Path]:
     return sorted((src or source_dir()).glob("*.cpp"))
 
 
+def _openmp() -> list[str]:
+    # OpenMP lets the kernel run on torch's own intra-op pool (at::parallel_for). On Linux torch
+    # ships libgomp.so.1 and loads it first, so our reference to that soname binds to torch's
+    # runtime: one pool in the process, not two competing ones.
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        return ["-fopenmp"]
+    return []
+
+
 def cflags() -> list[str]:
     # No -march: SIMD paths are chosen at run time. No fp contraction: every path rounds alike.
-    return ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+    return ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
+            *_openmp()]
 
 
 def ldflags() -> list[str]:
-    return ["-pthread"] if sys.platform.startswith("linux") else []
+    return ["-pthread", *_openmp()] if sys.platform.startswith("linux") else []
 
 
 def build_root() -> Path:
