@@ -169,9 +169,12 @@ void parallel_for(int64_t n, int64_t threads, std::function<void(int64_t, int64_
   }
 #ifdef _OPENMP
   if (torch_pool && threads == at::get_num_threads() && !at::in_parallel_region()) {
+    // One task per pool thread, each claiming chunks as our own pool does: a thread the OS has
+    // descheduled (a busy machine) leaves its share to the others instead of holding it.
     const int64_t chunks = (n + kChunk - 1) / kChunk;
-    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
-      for (int64_t c = cb; c < ce; ++c) fn(c * kChunk, std::min(n, (c + 1) * kChunk));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(threads, chunks), 1, [&](int64_t, int64_t) {
+      for (int64_t c; (c = next.fetch_add(1)) < chunks;) fn(c * kChunk, std::min(n, (c + 1) * kChunk));
     });
     return;
   }

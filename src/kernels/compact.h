@@ -91,28 +91,34 @@ struct S1 {
   LZO_TARGET static uint32_t hmaxi(I a) { return a; }
 };
 
+// Weight-decay form and lerp formula, fixed per loop instantiation (no branches in the loop).
+enum Mode : int { kPlain = 0, kDecoupled = 1, kL2 = 2, kLerpLarge = 4 };
+
+inline int mode_of(const AdamConsts& c) {
+  const int wd = c.has_wd ? (c.decoupled ? kDecoupled : kL2) : kPlain;
+  return wd | (c.lerp_small ? 0 : kLerpLarge);
+}
+
 // The per-step constants, broadcast.
 template <class V>
 struct VConsts {
   typename V::F gs, decay, wd, lw, b2, omb2, bc2, ns, eps;
-  bool dec, l2, small;
   LZO_TARGET explicit VConsts(const AdamConsts& c)
       : gs(V::setf(c.grad_scale)), decay(V::setf(c.decay)), wd(V::setf(c.wd)),
         lw(V::setf(c.lerp_small ? c.lerp_w : c.lerp_w1)), b2(V::setf(c.beta2)),
         omb2(V::setf(c.one_minus_beta2)), bc2(V::setf(c.bc2_sqrt)), ns(V::setf(c.neg_step)),
-        eps(V::setf(c.eps)), dec(c.has_wd && c.decoupled), l2(c.has_wd && !c.decoupled),
-        small(c.lerp_small) {}
+        eps(V::setf(c.eps)) {}
 };
 
 // adam_elem's operations, in its order; returns sqrt(v) (the 8-bit code stores it).
-template <class V>
+template <class V, int Md>
 LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typename V::F& p,
                                        typename V::F& m, typename V::F& v) {
   g = V::mul(g, k.gs);
-  if (k.dec) p = V::mul(p, k.decay);
-  if (k.l2) g = V::fma(p, k.wd, g);
+  if constexpr ((Md & 3) == kDecoupled) p = V::mul(p, k.decay);
+  if constexpr ((Md & 3) == kL2) g = V::fma(p, k.wd, g);
   const typename V::F d = V::sub(g, m);
-  m = V::fma(k.lw, d, k.small ? m : g);
+  m = V::fma(k.lw, d, (Md & kLerpLarge) ? g : m);
   v = V::fma(V::mul(k.omb2, g), g, V::mul(v, k.b2));
   const typename V::F sq = V::sqrt(v);
   const typename V::F denom = V::add(V::div(sq, k.bc2), k.eps);
@@ -132,9 +138,9 @@ LZO_TARGET inline typename V::I hash_v(typename V::I x) {
 
 // Random bits of elements [i, i + W): low 16 bits round exp_avg, high 16 bits exp_avg_sq.
 template <class V>
-LZO_TARGET inline typename V::I rand_v(const AdamArgs& a, int64_t i) {
-  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(a.offset + i));
-  return hash_v<V>(V::xori(V::addi(V::seti(base), V::iota()), V::seti(a.key)));
+LZO_TARGET inline typename V::I rand_v(uint32_t key, int64_t offset, int64_t i) {
+  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i));
+  return hash_v<V>(V::xori(V::addi(V::seti(base), V::iota()), V::seti(key)));
 }
 
 // fp32 -> bf16 bits, stochastically rounded with 16 random bits r16 (NaN -> quiet NaN 0x7fc0).
@@ -146,28 +152,27 @@ LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
 
 // Non-negative x (in units of the block scale) -> E4Mb code with rounding bits r16 (uniform in
 // [0, 2^16): stochastic; 0x8000: nearest). Normal range: adding the random bits below the kept
-// mantissa and truncating rounds up with probability equal to the dropped fraction. Subnormal
-// range (x < 2^-14): floor(x * 2^(14+Mb) + r16 / 2^16) on the linear grid.
+// mantissa and truncating rounds up with probability equal to the dropped fraction. Below 2^-14
+// (the code's subnormals) x is first shifted up by 2^-14 into the lowest binade, whose grid has
+// the subnormal step, and the result shifted back by one binade's worth of codes (2^Mb).
 template <class V, int Mb>
 LZO_TARGET inline typename V::I enc_mag(typename V::F x, typename V::I r16) {
   // |x|: a NaN made by 0 * inf may carry a sign; dropping it keeps every code in [0, max].
-  const typename V::I bits = V::andi(V::asi(x), V::seti(0x7fffffffu));
-  const typename V::I qn = V::subi(
-      V::template srli<23 - Mb>(V::addi(bits, V::template slli<7 - Mb>(r16))),
-      V::seti(112u << Mb));
-  const typename V::F y = V::mul(V::asf(bits), V::setf(static_cast<float>(1 << (14 + Mb))));
-  const typename V::F u = V::mul(V::cvtf(r16), V::setf(1.0f / 65536.0f));
-  const typename V::I qs = V::cvti(V::floor(V::add(y, u)));
-  const typename V::I q = V::seli(V::lti(bits, V::seti(113u << 23)), qs, qn);
+  const typename V::I ax = V::andi(V::asi(x), V::seti(0x7fffffffu));
+  const typename V::M sub = V::lti(ax, V::seti(113u << 23));
+  const typename V::F y = V::self(sub, V::add(V::asf(ax), V::setf(0x1p-14f)), V::asf(ax));
+  const typename V::I q = V::subi(
+      V::template srli<23 - Mb>(V::addi(V::asi(y), V::template slli<7 - Mb>(r16))),
+      V::seli(sub, V::seti((112u << Mb) + (1u << Mb)), V::seti(112u << Mb)));
   return V::mini(q, V::seti((1u << (4 + Mb)) - 1u));
 }
 
 template <class V, int Mb>
 LZO_TARGET inline typename V::F dec_mag(typename V::I c) {
-  const typename V::F normal = V::asf(V::addi(V::template slli<23 - Mb>(c), V::seti(112u << 23)));
-  const typename V::F sub =
-      V::mul(V::cvtf(c), V::setf(1.0f / static_cast<float>(1 << (14 + Mb))));
-  return V::self(V::lti(c, V::seti(1u << Mb)), sub, normal);
+  const typename V::M sub = V::lti(c, V::seti(1u << Mb));
+  const typename V::I c1 = V::seli(sub, V::addi(c, V::seti(1u << Mb)), c);
+  const typename V::F x = V::asf(V::addi(V::template slli<23 - Mb>(c1), V::seti(112u << 23)));
+  return V::self(sub, V::sub(x, V::setf(0x1p-14f)), x);
 }
 
 constexpr float kMaxM = 1.875f;   // largest E4M3 magnitude
@@ -202,47 +207,65 @@ inline void block_scale(uint32_t maxbits, float maxcode, float& scale, float& in
   }
 }
 
-template <class V, Dtype G, Dtype O>
-LZO_TARGET void run_bf16(const AdamArgs& a, int64_t begin, int64_t end) {
-  const VConsts<V> k(a.c);
-  uint16_t* m16 = static_cast<uint16_t*>(a.m_compact);
-  uint16_t* v16 = static_cast<uint16_t*>(a.v_compact);
+// Everything one loop reads from AdamArgs, in locals the stores cannot alias.
+struct Ptrs {
+  float* __restrict p;
+  const void* __restrict g;
+  void* __restrict out;
+  void* __restrict mc;
+  void* __restrict vc;
+  float* __restrict ms;
+  float* __restrict vs;
+  uint32_t key;
+  int64_t offset;
+  explicit Ptrs(const AdamArgs& a)
+      : p(a.param), g(a.grad), out(a.out), mc(a.m_compact), vc(a.v_compact), ms(a.m_scale),
+        vs(a.v_scale), key(a.key), offset(a.offset) {}
+};
+
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_bf16(const Ptrs& a, const AdamConsts& c, int64_t begin, int64_t end) {
+  const VConsts<V> k(c);
+  float* __restrict param = a.p;
+  uint16_t* __restrict m16 = static_cast<uint16_t*>(a.mc);
+  uint16_t* __restrict v16 = static_cast<uint16_t*>(a.vc);
   const typename V::I lo = V::seti(0xffffu);
   int64_t i = begin;
   for (; i + V::W <= end; i += V::W) {
-    typename V::F p = V::loadf(a.param + i);
+    typename V::F p = V::loadf(param + i);
     typename V::F m = V::asf(V::template slli<16>(V::load_u16(m16 + i)));
     typename V::F v = V::asf(V::template slli<16>(V::load_u16(v16 + i)));
-    adam_v<V>(k, V::template grad<G>(a.grad, i), p, m, v);
-    V::storef(a.param + i, p);
+    adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
+    V::storef(param + i, p);
     if constexpr (O != kNone) V::template out<O>(a.out, i, p);
-    const typename V::I r = rand_v<V>(a, i);
+    const typename V::I r = rand_v<V>(a.key, a.offset, i);
     V::store_u16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
     V::store_u16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
   }
   if constexpr (V::W > 1) {
-    if (i < end) run_bf16<S1, G, O>(a, i, end);
+    if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
   }
 }
 
 // One block [bs, be) of the 8-bit path: update from the dequantized moments (master and out
 // written at once), keep the new m and sqrt(v) in L1, then quantize them with the block's scale.
-template <class V, Dtype G, Dtype O>
-LZO_TARGET void q8_update(const AdamArgs& a, const VConsts<V>& k, int64_t bs, int64_t be,
-                          int64_t& i, float sm, float sv, float* mb, float* sb, uint32_t& mmax,
-                          uint32_t& smax) {
-  const uint8_t* m8 = static_cast<const uint8_t*>(a.m_compact);
-  const uint8_t* v8 = static_cast<const uint8_t*>(a.v_compact);
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void q8_update(const Ptrs& a, const VConsts<V>& k, int64_t bs, int64_t be,
+                          int64_t& i, float sm, float sv, float* __restrict mb,
+                          float* __restrict sb, uint32_t& mmax, uint32_t& smax) {
+  float* __restrict param = a.p;
+  const uint8_t* __restrict m8 = static_cast<const uint8_t*>(a.mc);
+  const uint8_t* __restrict v8 = static_cast<const uint8_t*>(a.vc);
   const typename V::F scm = V::setf(sm), scv = V::setf(sv);
   const typename V::I abs = V::seti(0x7fffffffu);
   typename V::I mx = V::seti(0u), sx = V::seti(0u);
   for (; i + V::W <= be; i += V::W) {
-    typename V::F p = V::loadf(a.param + i);
+    typename V::F p = V::loadf(param + i);
     typename V::F m = dec_m<V>(V::load_u8(m8 + i), scm);
     const typename V::F s = V::mul(dec_mag<V, 4>(V::load_u8(v8 + i)), scv);
     typename V::F v = V::mul(s, s);
-    const typename V::F sq = adam_v<V>(k, V::template grad<G>(a.grad, i), p, m, v);
-    V::storef(a.param + i, p);
+    const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
+    V::storef(param + i, p);
     if constexpr (O != kNone) V::template out<O>(a.out, i, p);
     V::storef(mb + (i - bs), m);
     V::storef(sb + (i - bs), sq);
@@ -255,24 +278,24 @@ LZO_TARGET void q8_update(const AdamArgs& a, const VConsts<V>& k, int64_t bs, in
 }
 
 template <class V>
-LZO_TARGET void q8_store(const AdamArgs& a, int64_t bs, int64_t be, int64_t& i, float im,
-                         float iv, const float* mb, const float* sb) {
-  uint8_t* m8 = static_cast<uint8_t*>(a.m_compact);
-  uint8_t* v8 = static_cast<uint8_t*>(a.v_compact);
+LZO_TARGET void q8_store(const Ptrs& a, int64_t bs, int64_t be, int64_t& i, float im, float iv,
+                         const float* __restrict mb, const float* __restrict sb) {
+  uint8_t* __restrict m8 = static_cast<uint8_t*>(a.mc);
+  uint8_t* __restrict v8 = static_cast<uint8_t*>(a.vc);
   const typename V::F invm = V::setf(im), invv = V::setf(iv);
   const typename V::I lo = V::seti(0xffffu);
   for (; i + V::W <= be; i += V::W) {
-    const typename V::I r = rand_v<V>(a, i);
+    const typename V::I r = rand_v<V>(a.key, a.offset, i);
     V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, V::andi(r, lo)));
     V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv),
                                       V::template srli<16>(r)));
   }
 }
 
-template <class V, Dtype G, Dtype O>
-LZO_TARGET void run_q8(const AdamArgs& a, int64_t begin, int64_t end) {
-  const VConsts<V> k(a.c);
-  const VConsts<S1> k1(a.c);
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_q8(const Ptrs& a, const AdamConsts& c, int64_t begin, int64_t end) {
+  const VConsts<V> k(c);
+  const VConsts<S1> k1(c);
   alignas(64) float mb[kBlock];
   alignas(64) float sb[kBlock];
   for (int64_t bs = begin; bs < end; bs += kBlock) {  // begin is a block boundary
@@ -280,26 +303,39 @@ LZO_TARGET void run_q8(const AdamArgs& a, int64_t begin, int64_t end) {
     const int64_t blk = bs / kBlock;
     uint32_t mmax = 0, smax = 0;
     int64_t i = bs;
-    q8_update<V, G, O>(a, k, bs, be, i, a.m_scale[blk], a.v_scale[blk], mb, sb, mmax, smax);
+    q8_update<V, G, O, Md>(a, k, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
     if constexpr (V::W > 1) {
-      q8_update<S1, G, O>(a, k1, bs, be, i, a.m_scale[blk], a.v_scale[blk], mb, sb, mmax, smax);
+      q8_update<S1, G, O, Md>(a, k1, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
     }
     float im, iv;
-    block_scale(mmax, kMaxM, a.m_scale[blk], im);
-    block_scale(smax, kMaxS, a.v_scale[blk], iv);
+    block_scale(mmax, kMaxM, a.ms[blk], im);
+    block_scale(smax, kMaxS, a.vs[blk], iv);
     i = bs;
     q8_store<V>(a, bs, be, i, im, iv, mb, sb);
     if constexpr (V::W > 1) q8_store<S1>(a, bs, be, i, im, iv, mb, sb);
   }
 }
 
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_mode(const AdamArgs& args, int64_t begin, int64_t end) {
+  const Ptrs a(args);
+  if (args.moment == kMomBF16) {
+    run_bf16<V, G, O, Md>(a, args.c, begin, end);
+  } else {
+    run_q8<V, G, O, Md>(a, args.c, begin, end);
+  }
+}
+
 template <class V, Dtype G, Dtype O>
 struct CompactLoop {
   LZO_TARGET static void run(const AdamArgs& a, int64_t begin, int64_t end) {
-    if (a.moment == kMomBF16) {
-      run_bf16<V, G, O>(a, begin, end);
-    } else {
-      run_q8<V, G, O>(a, begin, end);
+    switch (mode_of(a.c)) {
+      case kDecoupled: return run_mode<V, G, O, kDecoupled>(a, begin, end);
+      case kL2: return run_mode<V, G, O, kL2>(a, begin, end);
+      case kPlain: return run_mode<V, G, O, kPlain>(a, begin, end);
+      case kDecoupled | kLerpLarge: return run_mode<V, G, O, kDecoupled | kLerpLarge>(a, begin, end);
+      case kL2 | kLerpLarge: return run_mode<V, G, O, kL2 | kLerpLarge>(a, begin, end);
+      default: return run_mode<V, G, O, kPlain | kLerpLarge>(a, begin, end);
     }
   }
 };

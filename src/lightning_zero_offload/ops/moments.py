@@ -125,21 +125,23 @@ def _float(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _enc_mag(x: torch.Tensor, r16: torch.Tensor, mb: int) -> torch.Tensor:
-    """|x| (float32, in block-scale units) -> E4M{mb} code, rounding bits r16 in [0, 2^16)."""
-    bits = _bits(x) & 0x7FFFFFFF
-    qn = ((bits + (r16 << (7 - mb))) >> (23 - mb)) - (112 << mb)
-    y = _float(bits) * float(1 << (14 + mb))
-    f = torch.floor(y + r16.to(torch.float32) * (1.0 / 65536.0))
-    qs = torch.where(torch.isfinite(f) & (f < 2.0**31), f.clamp(-(2.0**31), 2.0**31 - 1)
-                     .to(torch.int64), 2**31)
-    q = torch.where(bits < (113 << 23), qs, qn)
+    """|x| (float32, in block-scale units) -> E4M{mb} code, rounding bits r16 in [0, 2^16).
+
+    Below 2^-14 x is shifted up by 2^-14 into the lowest binade (whose grid is the subnormal
+    step), rounded there, and shifted back by 2^mb codes."""
+    ax = _bits(x) & 0x7FFFFFFF
+    sub = ax < (113 << 23)
+    xa = _float(ax)
+    y = torch.where(sub, xa + torch.full_like(xa, 2.0**-14), xa)
+    q = ((_bits(y) + (r16 << (7 - mb))) >> (23 - mb)) - torch.where(
+        sub, (112 << mb) + (1 << mb), 112 << mb)
     return q.clamp(max=(1 << (4 + mb)) - 1)
 
 
 def _dec_mag(c: torch.Tensor, mb: int) -> torch.Tensor:
-    normal = _float((c << (23 - mb)) + (112 << 23))
-    sub = c.to(torch.float32) * (1.0 / float(1 << (14 + mb)))
-    return torch.where(c < (1 << mb), sub, normal)
+    sub = c < (1 << mb)
+    x = _float((torch.where(sub, c + (1 << mb), c) << (23 - mb)) + (112 << 23))
+    return torch.where(sub, x - torch.full_like(x, 2.0**-14), x)
 
 
 def _dec_m(codes: torch.Tensor) -> torch.Tensor:
