@@ -213,6 +213,23 @@ def test_int8_special_blocks() -> None:
     assert (m2[3 * M.BLOCK:] == 0).all()
 
 
+@pytest.mark.parametrize("md", COMPACT)
+def test_nan_and_inf_gradients_bitwise_as_reference(ext, md: str) -> None:
+    n = 3 * M.BLOCK
+    results = []
+    for fn in (ops.fused_adamw_, _reference):
+        gen = torch.Generator().manual_seed(4)
+        p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        g[[5, 300]], g[[7, 600]] = math.nan, math.inf
+        g[9] = -math.inf
+        mom = M.Moments.from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen), md)
+        fn(p, g, step=2, lr=1e-3, weight_decay=0.1, **mom.kernel_args())
+        fn(p, torch.randn(n, generator=gen), step=3, lr=1e-3, **mom.kernel_args())
+        results.append([p, *[t for t in mom.kernel_args().values() if isinstance(t, torch.Tensor)]])
+    assert_same(results[0], results[1])
+    assert results[0][0][[5, 7, 9, 300, 600]].isnan().all()
+
+
 def test_kernel_nan_gradient_poisons_only_its_block(ext) -> None:
     n = 3 * M.BLOCK
     p = torch.randn(n)
@@ -322,7 +339,7 @@ def test_round_to_nearest_would_freeze_bf16_v(monkeypatch: pytest.MonkeyPatch) -
     assert err_v > 2 * TOL["bf16"][1] and decayed > 1.2
 
 
-# --- bad inputs ------------------------------------------------------------------------------------
+# --- bad inputs ---------------------------------------------------------------------------------
 
 
 def _call(n: int = 512, md: str = "int8", **override):
