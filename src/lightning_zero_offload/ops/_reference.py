@@ -64,6 +64,10 @@ def fused_adamw_reference_(
 
 
 def _compact_(param, grad, exp_avg, exp_avg_sq, m_scales, v_scales, key, offset, **hp) -> None:
+    # flat views: the block layout counts elements, whatever the tensors' shapes
+    param, grad, exp_avg, exp_avg_sq = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
+    if hp["out"] is not None:
+        hp["out"] = hp["out"].view(-1)
     if exp_avg.dtype == torch.bfloat16:
         m, v = exp_avg.float(), exp_avg_sq.float()
     else:
