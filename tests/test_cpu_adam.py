@@ -278,3 +278,17 @@ def test_switching_moment_dtype_between_save_and_resume() -> None:
 def test_bad_compact_options_raise(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         CPUAdam(_model().parameters(), **bad)
+
+
+@pytest.mark.parametrize("md", ["bf16", "int8"])
+def test_parameters_get_their_own_rounding_bits(md: str) -> None:
+    """Two identical parameters with identical gradients: the same update, but each draws its own
+    stochastic rounding (a shared stream would correlate their rounding errors)."""
+    a, b = nn.Parameter(torch.randn(1000)), nn.Parameter(torch.zeros(1000))
+    b.data.copy_(a.data)
+    opt = CPUAdam([a, b], lr=1e-2, moment_dtype=md)
+    g = torch.randn(1000)
+    a.grad, b.grad = g.clone(), g.clone()
+    opt.step()
+    assert torch.equal(a, b)
+    assert not torch.equal(opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
