@@ -9,7 +9,8 @@
       gradient, ``mul_``, DeepSpeedCPUAdam, ``copy_`` to bf16) when installed.
   (c) a streaming probe with the access pattern of (b): the machine's ceiling for it.
   (d) (b) with compact moments: ``moment_dtype`` fp32 / bf16 / int8 side by side (ratios to fp32
-      moments), plus torchao's ``AdamW8bit`` on the CPU when installed (its full ``step()``).
+      moments), plus torchao's and bitsandbytes' ``AdamW8bit`` on the CPU when installed (their
+      full ``step()`` with an fp32 gradient, no bf16 weights out).
   (e) the kernel right after torch ops: a loop that runs a few intra-op-parallel torch ops, then
       one step; only the step is timed. Ours on torch's intra-op pool (what ``ops.fused_adamw_``
       does on the main thread) and on our own pool (what a worker thread gets), against a bare
@@ -181,8 +182,16 @@ def torchao_adamw8bit() -> type | None:
     return AdamW8bit
 
 
-def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type | None
-                  ) -> list[dict]:
+def bnb_adamw8bit() -> type | None:
+    try:
+        import bitsandbytes as bnb  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return None
+    return bnb.optim.AdamW8bit
+
+
+def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type | None,
+                  bnb_cls: type | None = None) -> list[dict]:
     """(d): bf16 gradient in, bf16 weights out, one step per moment format."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -213,6 +222,16 @@ def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type 
             opt.step()
 
         peers["torchao_AdamW8bit"] = ao_step
+    if bnb_cls is not None:
+        bparam = torch.nn.Parameter(p.clone())
+        bopt = bnb_cls([bparam], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        bg32 = g16.float()
+
+        def bnb_step() -> None:
+            bparam.grad = bg32
+            bopt.step()
+
+        peers["bnb_AdamW8bit"] = bnb_step
     res = time_peers(peers, repeats, warmup)
     base = res["fp32"]["median_s"]
     rows = []
@@ -226,6 +245,32 @@ def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type 
                      else None,
                      "x_fp32_time": t / base})
     return rows
+
+
+def compute_ns_per_param(threads: int = 1, n: int = 16384, calls: int = 2000) -> dict:
+    """Each format's arithmetic alone: the step on an L2-resident array (raw extension call,
+    best of 5 rounds), ns per parameter per thread. Against (d)'s time per parameter this says
+    whether a format is bound by memory or by arithmetic on this CPU."""
+    ext = _build.load()
+    if ext is None:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(n, generator=gen)
+    g16 = torch.randn(n, generator=gen).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    res = {}
+    for md in ops.MOMENT_DTYPES:
+        mom = ops.Moments.from_fp32(torch.randn(n) * 1e-3, torch.rand(n) * 1e-6, md)
+        args = (p, g16, mom.exp_avg, mom.exp_avg_sq, out, 100, LR, BETAS[0], BETAS[1], EPS, WD,
+                True, SCALE, threads, mom.exp_avg_scales, mom.exp_avg_sq_scales, 0, 0, False)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                ext.fused_adamw(*args)
+            best = min(best, (time.perf_counter() - t0) / calls / n * 1e9)
+        res[md] = best
+    return res
 
 
 def bench_interleaved(n: int, threads: int, repeats: int) -> list[dict]:
@@ -324,14 +369,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['median_ms']:>9.2f} {r['params_per_s'] / 1e6:>9.0f} "
                       f"{r['eff_GBps']:>9.1f} {ratio:>8} {frac:>8}", flush=True)
     if "d" in args.parts:
+        comp = compute_ns_per_param()
+        rows.append({"part": "d", "peer": "compute_ns_per_param_in_L2", **comp})
+        print("# arithmetic alone (L2-resident, 1 thread), ns/param: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in comp.items()))
         ao_cls = torchao_adamw8bit()
         if ao_cls is None:
             print("# torchao AdamW8bit: not installed, its rows are skipped")
+        bnb_cls = bnb_adamw8bit()
+        if bnb_cls is None:
+            print("# bitsandbytes AdamW8bit: not installed, its rows are skipped")
         print(f"{'part':4} {'moments':18} {'params':>8} {'thr':>3} {'ms':>9} {'B/param':>8} "
               f"{'GB/s':>7} {'x fp32':>7}")
         for n in sizes:
             for t in thread_counts:
-                for r in bench_moments(n, t, args.repeats, args.warmup, ao_cls):
+                for r in bench_moments(n, t, args.repeats, args.warmup, ao_cls, bnb_cls):
                     rows.append(r)
                     bpp = f"{r['bytes_per_param']:.2f}" if r["bytes_per_param"] else "-"
                     gbs = f"{r['eff_GBps']:.1f}" if r["eff_GBps"] else "-"
