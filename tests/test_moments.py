@@ -405,3 +405,26 @@ def test_chunks_must_fall_on_blocks() -> None:
         M.Moments.zeros(10, "fp8")
     with pytest.raises(ValueError, match="convert"):
         mom.copy_(M.Moments.zeros(1000, "bf16"))
+
+
+@pytest.mark.parametrize("md", ["fp32", *COMPACT])
+def test_torch_pool_and_own_pool_give_the_same_bits(ext, md: str) -> None:
+    """The raw choice the Python face makes by thread: torch's intra-op pool or the kernel's."""
+    n = 5 * 65536 + 300
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        results = []
+        for torch_pool in (True, False):
+            gen = torch.Generator().manual_seed(2)
+            p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
+            mom = M.Moments.from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen),
+                                      md)
+            out = torch.empty(n, dtype=torch.bfloat16)
+            ext.fused_adamw(p, g, mom.exp_avg, mom.exp_avg_sq, out, 3, 1e-3, 0.9, 0.999, 1e-8,
+                            0.01, True, 0.5, 3, mom.exp_avg_scales, mom.exp_avg_sq_scales,
+                            M.rng_key(0, 3), 0, torch_pool)
+            results.append([p, out, mom.exp_avg, mom.exp_avg_sq])
+        assert_same(results[0], results[1])
+    finally:
+        torch.set_num_threads(previous)
