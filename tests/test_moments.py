@@ -215,20 +215,20 @@ def test_int8_special_blocks() -> None:
 
 @pytest.mark.parametrize("md", COMPACT)
 def test_nan_and_inf_gradients_bitwise_as_reference(ext, md: str) -> None:
-    n = 3 * M.BLOCK
+    n = 4 * M.BLOCK
     results = []
     for fn in (ops.fused_adamw_, _reference):
         gen = torch.Generator().manual_seed(4)
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         g[[5, 300]], g[[7, 600]] = math.nan, math.inf
         g[9] = -math.inf
-        g[11] = -math.nan  # a NaN with its sign bit set must still poison its block
+        g[3 * M.BLOCK + 11] = -math.nan  # alone in its block: a NaN with its sign bit set
         mom = M.Moments.from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen), md)
         fn(p, g, step=2, lr=1e-3, weight_decay=0.1, **mom.kernel_args())
         fn(p, torch.randn(n, generator=gen), step=3, lr=1e-3, **mom.kernel_args())
         results.append([p, *[t for t in mom.kernel_args().values() if isinstance(t, torch.Tensor)]])
     assert_same(results[0], results[1])
-    assert results[0][0][[5, 7, 9, 11, 300, 600]].isnan().all()
+    assert results[0][0][[5, 7, 9, 300, 600, 3 * M.BLOCK + 11]].isnan().all()
 
 
 def test_kernel_nan_gradient_poisons_only_its_block(ext) -> None:
