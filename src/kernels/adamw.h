@@ -20,6 +20,12 @@ namespace lzo {
 
 enum Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
 
+// How the two Adam moments are stored. kMomF32: fp32 arrays (exp_avg, exp_avg_sq), exact AdamW.
+// kMomBF16: bf16 arrays, stochastically rounded. kMomQ8: one byte per element plus one fp32
+// scale per block of kBlock elements (see compact.h for the codes).
+enum Moment : int { kMomF32 = 0, kMomBF16 = 1, kMomQ8 = 2 };
+constexpr int64_t kBlock = 256;
+
 // Per-step constants, computed once in double as torch does, then rounded to float.
 struct AdamConsts {
   float grad_scale;
@@ -46,6 +52,14 @@ struct AdamArgs {
   Dtype grad_dtype;
   Dtype out_dtype;  // kNone when out is null
   AdamConsts c;
+  // Compact moments (kMomBF16: uint16 bf16 bits; kMomQ8: uint8 codes + per-block scales).
+  Moment moment;
+  void* m_compact;
+  void* v_compact;
+  float* m_scale;  // kMomQ8: ceil(n / kBlock) scales each
+  float* v_scale;
+  uint32_t key;    // stochastic-rounding key for this step (derived from seed and step in Python)
+  int64_t offset;  // index of element 0 in the whole moment buffer: the rounding counter
 };
 
 // Streaming probe: same arrays and access pattern as the fused step with a bf16 gradient and
@@ -64,11 +78,14 @@ using AdamFn = void (*)(const AdamArgs&, int64_t begin, int64_t end);
 using ProbeFn = void (*)(const ProbeArgs&, int64_t begin, int64_t end);
 
 void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end);
+void compact_scalar(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end);
 #if LZO_X86
 void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end);
+void compact_avx2(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end);
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
+void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
 #endif
 

@@ -6,6 +6,8 @@
 #if LZO_X86
 #include <immintrin.h>
 
+#include <algorithm>
+
 #define LZO_TARGET __attribute__((target("avx2,fma,f16c")))
 
 namespace lzo {
@@ -80,10 +82,84 @@ struct Loop {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
 };
 
+
+// The vector type of the generic compact-moment code (compact.h): 8 lanes.
+struct V8 {
+  static constexpr int W = 8;
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256i;
+  LZO_TARGET static F setf(float x) { return _mm256_set1_ps(x); }
+  LZO_TARGET static I seti(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  LZO_TARGET static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  LZO_TARGET static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  LZO_TARGET static void storef(float* p, F x) { _mm256_storeu_ps(p, x); }
+  LZO_TARGET static I load_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  LZO_TARGET static void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
+    const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(x, x), _mm256_setzero_si256());
+    const __m256i d = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(d));
+  }
+  LZO_TARGET static I load_u16(const uint16_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  LZO_TARGET static void store_u16(uint16_t* p, I x) {  // lanes hold 0..65535
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  template <Dtype G>
+  LZO_TARGET static F grad(const void* g, int64_t i) { return load_grad<G>(g, i); }
+  template <Dtype O>
+  LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  LZO_TARGET static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  LZO_TARGET static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  LZO_TARGET static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  LZO_TARGET static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  LZO_TARGET static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  LZO_TARGET static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  LZO_TARGET static F floor(F a) { return _mm256_floor_ps(a); }
+  LZO_TARGET static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  LZO_TARGET static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  LZO_TARGET static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  LZO_TARGET static I ori(I a, I b) { return _mm256_or_si256(a, b); }
+  LZO_TARGET static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  template <int K>
+  LZO_TARGET static I srli(I a) { return _mm256_srli_epi32(a, K); }
+  template <int K>
+  LZO_TARGET static I slli(I a) { return _mm256_slli_epi32(a, K); }
+  LZO_TARGET static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  LZO_TARGET static I mini(I a, I b) { return _mm256_min_epi32(a, b); }
+  LZO_TARGET static I maxi(I a, I b) { return _mm256_max_epi32(a, b); }
+  LZO_TARGET static I asi(F a) { return _mm256_castps_si256(a); }
+  LZO_TARGET static F asf(I a) { return _mm256_castsi256_ps(a); }
+  LZO_TARGET static F cvtf(I a) { return _mm256_cvtepi32_ps(a); }
+  LZO_TARGET static I cvti(F a) { return _mm256_cvttps_epi32(a); }
+  LZO_TARGET static M lti(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
+  LZO_TARGET static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  LZO_TARGET static I seli(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
+  LZO_TARGET static F self(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
+  LZO_TARGET static uint32_t hmaxi(I a) {
+    __m128i x = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+};
+
+#include "compact.h"
+
+template <Dtype G, Dtype O>
+struct CLoop : CompactLoop<V8, G, O> {};
 }  // namespace
 
 void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<Loop>(a, begin, end);
+}
+
+void compact_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<CLoop>(a, begin, end);
 }
 
 LZO_TARGET void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end) {

@@ -5,6 +5,8 @@
 #if LZO_X86
 #include <immintrin.h>
 
+#include <algorithm>
+
 #define LZO_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
 
 namespace lzo {
@@ -78,10 +80,82 @@ struct Loop {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
 };
 
+
+// The vector type of the generic compact-moment code (compact.h): 16 lanes.
+struct V16 {
+  static constexpr int W = 16;
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  LZO_TARGET static F setf(float x) { return _mm512_set1_ps(x); }
+  LZO_TARGET static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  LZO_TARGET static I iota() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  LZO_TARGET static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  LZO_TARGET static void storef(float* p, F x) { _mm512_storeu_ps(p, x); }
+  LZO_TARGET static I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  LZO_TARGET static void store_u8(uint8_t* p, I x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
+  LZO_TARGET static I load_u16(const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  LZO_TARGET static void store_u16(uint16_t* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  }
+  template <Dtype G>
+  LZO_TARGET static F grad(const void* g, int64_t i) { return load_grad<G>(g, i); }
+  template <Dtype O>
+  LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  LZO_TARGET static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  LZO_TARGET static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  LZO_TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  LZO_TARGET static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  LZO_TARGET static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  LZO_TARGET static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  LZO_TARGET static F floor(F a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  }
+  LZO_TARGET static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  LZO_TARGET static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  LZO_TARGET static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  LZO_TARGET static I ori(I a, I b) { return _mm512_or_si512(a, b); }
+  LZO_TARGET static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  template <int K>
+  LZO_TARGET static I srli(I a) { return _mm512_srli_epi32(a, K); }
+  template <int K>
+  LZO_TARGET static I slli(I a) { return _mm512_slli_epi32(a, K); }
+  LZO_TARGET static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  LZO_TARGET static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
+  LZO_TARGET static I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
+  LZO_TARGET static I asi(F a) { return _mm512_castps_si512(a); }
+  LZO_TARGET static F asf(I a) { return _mm512_castsi512_ps(a); }
+  LZO_TARGET static F cvtf(I a) { return _mm512_cvtepi32_ps(a); }
+  LZO_TARGET static I cvti(F a) { return _mm512_cvttps_epi32(a); }
+  LZO_TARGET static M lti(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  LZO_TARGET static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  LZO_TARGET static I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
+  LZO_TARGET static F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
+  LZO_TARGET static uint32_t hmaxi(I a) {
+    return static_cast<uint32_t>(_mm512_reduce_max_epi32(a));
+  }
+};
+
+#include "compact.h"
+
+template <Dtype G, Dtype O>
+struct CLoop : CompactLoop<V16, G, O> {};
 }  // namespace
 
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<Loop>(a, begin, end);
+}
+
+void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<CLoop>(a, begin, end);
 }
 
 LZO_TARGET void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end) {

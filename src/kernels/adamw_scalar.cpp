@@ -1,6 +1,10 @@
 // Portable path (any CPU, aarch64 included) and the tail of the vector paths.
 #include "adamw.h"
 
+#include <algorithm>
+
+#define LZO_TARGET
+
 namespace lzo {
 
 namespace {
@@ -28,10 +32,19 @@ struct Loop {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
 };
 
+#include "compact.h"
+
+template <Dtype G, Dtype O>
+struct CLoop : CompactLoop<S1, G, O> {};
+
 }  // namespace
 
 void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<Loop>(a, begin, end);
+}
+
+void compact_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<CLoop>(a, begin, end);
 }
 
 void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end) {

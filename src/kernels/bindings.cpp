@@ -1,6 +1,7 @@
 // Python bindings: argument sanity checks, per-step constants, ISA choice and threading.
 // The friendly argument checks live in Python (lightning_zero_offload.ops); the checks here only
 // keep a direct call from touching memory it should not.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <unistd.h>
@@ -23,6 +24,7 @@ namespace {
 struct Isa {
   const char* name;
   lzo::AdamFn adam;
+  lzo::AdamFn compact;
   lzo::ProbeFn probe;
   bool supported;
 };
@@ -33,14 +35,14 @@ std::vector<Isa> detect() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma")) {
-    isas.push_back({"avx512", lzo::adamw_avx512, lzo::probe_avx512, true});
+    isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::probe_avx512, true});
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    isas.push_back({"avx2", lzo::adamw_avx2, lzo::probe_avx2, true});
+    isas.push_back({"avx2", lzo::adamw_avx2, lzo::compact_avx2, lzo::probe_avx2, true});
   }
 #endif
-  isas.push_back({"scalar", lzo::adamw_scalar, lzo::probe_scalar, true});
+  isas.push_back({"scalar", lzo::adamw_scalar, lzo::compact_scalar, lzo::probe_scalar, true});
   return isas;
 }
 
@@ -146,11 +148,37 @@ class Pool {
   size_t workers_ = 0;
 };
 
-void parallel_for(int64_t n, int64_t threads, std::function<void(int64_t, int64_t)> fn) {
+bool torch_pool_available() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+// `torch_pool`: run the chunks on torch's intra-op (OpenMP) pool, whose workers are the ones
+// still spinning right after a torch op, instead of waking our own threads to compete with them
+// for the cores. Only from the thread that runs torch ops (the Python face passes true on the
+// main thread) and only when the thread count is torch's; a worker thread (delayed update) keeps
+// our own pool, which does not disturb torch's. Chunks are the same either way, so the results.
+void parallel_for(int64_t n, int64_t threads, std::function<void(int64_t, int64_t)> fn,
+                  bool torch_pool = false) {
   if (n <= kChunk || threads <= 1) {
     fn(0, n);
     return;
   }
+#ifdef _OPENMP
+  if (torch_pool && threads == at::get_num_threads() && !at::in_parallel_region()) {
+    // One task per pool thread, each claiming chunks as our own pool does: a thread the OS has
+    // descheduled (a busy machine) leaves its share to the others instead of holding it.
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(threads, chunks), 1, [&](int64_t, int64_t) {
+      for (int64_t c; (c = next.fetch_add(1)) < chunks;) fn(c * kChunk, std::min(n, (c + 1) * kChunk));
+    });
+    return;
+  }
+#endif
   // Never destroyed (helpers may outlive static destruction); a forked child gets a new pool.
   static Pool* pool = nullptr;
   static pid_t owner = 0;
@@ -182,23 +210,57 @@ void check(const torch::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
 }
 
+lzo::Moment moment_of(const torch::Tensor& m, const torch::Tensor& v) {
+  TORCH_CHECK(m.scalar_type() == v.scalar_type(), "exp_avg and exp_avg_sq must share a dtype");
+  switch (m.scalar_type()) {
+    case torch::kFloat: return lzo::kMomF32;
+    case torch::kBFloat16: return lzo::kMomBF16;
+    case torch::kByte: return lzo::kMomQ8;
+    default: TORCH_CHECK(false, "moments must be float32, bfloat16 or uint8, got ", m.scalar_type());
+  }
+}
+
 void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                  torch::Tensor exp_avg_sq, c10::optional<torch::Tensor> out, int64_t step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
-                 bool decoupled, double grad_scale, int64_t num_threads) {
+                 bool decoupled, double grad_scale, int64_t num_threads,
+                 c10::optional<torch::Tensor> exp_avg_scales,
+                 c10::optional<torch::Tensor> exp_avg_sq_scales, int64_t key, int64_t offset,
+                 bool torch_pool) {
   const int64_t n = param.numel();
-  for (auto* t : {&param, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat, "param/exp_avg/exp_avg_sq must be float32");
-  }
+  TORCH_CHECK(param.scalar_type() == torch::kFloat, "param must be float32");
+  const lzo::Moment moment = moment_of(exp_avg, exp_avg_sq);
   check(param, "param", n);
   check(grad, "grad", n);
   check(exp_avg, "exp_avg", n);
   check(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK(step >= 1, "step must be >= 1");
+  TORCH_CHECK(offset >= 0, "offset must be >= 0");
   lzo::AdamArgs a{};
   a.param = param.data_ptr<float>();
-  a.exp_avg = exp_avg.data_ptr<float>();
-  a.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  a.moment = moment;
+  if (moment == lzo::kMomF32) {
+    a.exp_avg = exp_avg.data_ptr<float>();
+    a.exp_avg_sq = exp_avg_sq.data_ptr<float>();
+  } else {
+    a.m_compact = exp_avg.data_ptr();
+    a.v_compact = exp_avg_sq.data_ptr();
+  }
+  const bool q8 = moment == lzo::kMomQ8;
+  TORCH_CHECK(q8 == exp_avg_scales.has_value() && q8 == exp_avg_sq_scales.has_value(),
+              "scales are given exactly for uint8 (block-wise 8-bit) moments");
+  if (q8) {
+    TORCH_CHECK(offset % lzo::kBlock == 0, "offset must be a multiple of ", lzo::kBlock);
+    const int64_t blocks = (n + lzo::kBlock - 1) / lzo::kBlock;
+    for (auto* t : {&*exp_avg_scales, &*exp_avg_sq_scales}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat, "scales must be float32");
+      check(*t, "scales", blocks);
+    }
+    a.m_scale = exp_avg_scales->data_ptr<float>();
+    a.v_scale = exp_avg_sq_scales->data_ptr<float>();
+  }
+  a.key = static_cast<uint32_t>(key);
+  a.offset = offset;
   a.grad = grad.data_ptr();
   a.grad_dtype = dtype_of(grad);
   a.out = nullptr;
@@ -227,15 +289,18 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   c.neg_step = static_cast<float>(-(lr / bc1));
   c.eps = static_cast<float>(eps);
-  const lzo::AdamFn fn = isas()[g_isa.load()].adam;
+  const Isa& isa = isas()[g_isa.load()];
+  const lzo::AdamFn fn = moment == lzo::kMomF32 ? isa.adam : isa.compact;
   py::gil_scoped_release no_gil;
-  parallel_for(n, num_threads, [&](int64_t b, int64_t e) { fn(a, b, e); });
+  // Thread chunks (kChunk) are whole 8-bit blocks, so every block is updated by one thread.
+  static_assert(kChunk % lzo::kBlock == 0, "thread chunks must hold whole blocks");
+  parallel_for(n, num_threads, [&](int64_t b, int64_t e) { fn(a, b, e); }, torch_pool);
 }
 
 // Streaming-bandwidth probe (see ProbeArgs): a, b, c fp32 += g * scale in place, g bf16 read,
 // out bf16 written. The machine's ceiling for the fused step's access pattern.
 void stream_probe(torch::Tensor a, torch::Tensor b, torch::Tensor c, torch::Tensor g,
-                  torch::Tensor out, double scale, int64_t num_threads) {
+                  torch::Tensor out, double scale, int64_t num_threads, bool torch_pool) {
   const int64_t n = a.numel();
   for (auto* t : {&a, &b, &c}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat, "probe: a, b, c must be float32");
@@ -248,7 +313,7 @@ void stream_probe(torch::Tensor a, torch::Tensor b, torch::Tensor c, torch::Tens
                          reinterpret_cast<uint16_t*>(out.data_ptr()), static_cast<float>(scale)};
   const lzo::ProbeFn fn = isas()[g_isa.load()].probe;
   py::gil_scoped_release no_gil;
-  parallel_for(n, num_threads, [&](int64_t lo, int64_t hi) { fn(p, lo, hi); });
+  parallel_for(n, num_threads, [&](int64_t lo, int64_t hi) { fn(p, lo, hi); }, torch_pool);
 }
 
 }  // namespace
@@ -257,6 +322,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lightning-zero-offload fused CPU AdamW kernel";
   m.def("fused_adamw", &fused_adamw, "One fused AdamW/Adam step over flat CPU tensors");
   m.def("stream_probe", &stream_probe, "Streaming-bandwidth probe with the step's access pattern");
+  m.def("torch_pool_available", &torch_pool_available,
+        "Whether the kernel can run on torch's intra-op (OpenMP) pool");
+  m.def("block_size", [] { return lzo::kBlock; }, "Elements per 8-bit block (one scale each)");
   m.def("available_isas", &available_isas, "SIMD paths this CPU supports, best first");
   m.def("get_isa", &get_isa, "The SIMD path in use");
   m.def("set_isa", &set_isa, "Force a SIMD path (one of available_isas())");

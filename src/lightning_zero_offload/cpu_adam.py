@@ -1,8 +1,17 @@
 """``CPUAdam``: a drop-in ``torch.optim.AdamW`` / ``Adam`` for CPU fp32 tensors on the fused kernel.
 
 Param groups and state use torch's AdamW format (group keys such as ``decoupled_weight_decay``;
-per-parameter ``step`` as a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``), so a state dict
-moves between ``CPUAdam`` and ``torch.optim.AdamW`` in both directions.
+per-parameter ``step`` as a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``), so with the
+default ``moment_dtype="fp32"`` a state dict moves between ``CPUAdam`` and ``torch.optim.AdamW``
+in both directions.
+
+Compact moments (``moment_dtype="bf16"`` or ``"int8"``, see ``lightning_zero_offload.ops.moments``)
+are kept and saved as they are: ``state_dict()`` holds bf16 moments, or uint8 codes plus
+``exp_avg_scales``/``exp_avg_sq_scales`` per parameter (small checkpoints, exact resume).
+``torch_state_dict()`` gives the ``torch.optim.AdamW`` form (moments dequantized to fp32).
+``load_state_dict`` takes either form, from any ``moment_dtype``, and converts the moments to this
+optimizer's format (to bf16/int8 by rounding to nearest), so the format can change between save
+and resume.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.ops import fused_adamw_
+from lightning_zero_offload.ops import BLOCK, MOMENT_DTYPES, Moments, fused_adamw_
 
 __all__ = ["CPUAdam"]
 
@@ -22,6 +31,8 @@ class CPUAdam(torch.optim.Optimizer):
 
     Hyperparameters are read from each param group at every step, so LR schedulers work.
     ``num_threads`` (default ``torch.get_num_threads()``) does not change results.
+    ``moment_dtype``: ``"fp32"`` (exact AdamW), ``"bf16"`` or ``"int8"`` (compact moments, rounded
+    stochastically from ``seed``; see the module docstring for their state dicts).
     """
 
     def __init__(
@@ -36,8 +47,17 @@ class CPUAdam(torch.optim.Optimizer):
         amsgrad: bool = False,
         maximize: bool = False,
         num_threads: int | None = None,
+        moment_dtype: str = "fp32",
+        seed: int = 0,
     ) -> None:
         _check_unsupported({"amsgrad": amsgrad, "maximize": maximize})
+        if moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(
+                f"CPUAdam: moment_dtype={moment_dtype!r} is not supported; choose one of "
+                f"{MOMENT_DTYPES}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"CPUAdam: `seed` must be an int >= 0, got {seed!r}")
         if isinstance(lr, torch.Tensor):
             raise TypeError("CPUAdam: `lr` must be a Python float (tensor lr is not supported)")
         if not lr >= 0.0:
@@ -65,6 +85,8 @@ class CPUAdam(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
         self.num_threads = num_threads
+        self.moment_dtype = moment_dtype
+        self.seed = seed
         for group in self.param_groups:
             for p in group["params"]:
                 _check_param(p)
@@ -85,19 +107,18 @@ class CPUAdam(torch.optim.Optimizer):
                     _check_param(p)
                     _check_grad(p, p.grad)
                     work.append((group, p))
+        offsets = self._offsets()
         for group, p in work:
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                mom = Moments.zeros(p.numel(), self.moment_dtype)
+                _put(state, mom, p)
             step = int(state["step"].item()) + 1
             beta1, beta2 = group["betas"]
             fused_adamw_(
                 p,
                 p.grad.contiguous(),
-                state["exp_avg"],
-                state["exp_avg_sq"],
                 step=step,
                 lr=float(group["lr"]),
                 betas=(float(beta1), float(beta2)),
@@ -105,9 +126,90 @@ class CPUAdam(torch.optim.Optimizer):
                 weight_decay=float(group["weight_decay"]),
                 decoupled=bool(group.get("decoupled_weight_decay", True)),
                 num_threads=self.num_threads,
+                seed=self.seed,
+                offset=offsets[p],
+                **_moment_args(state),
             )
             state["step"].fill_(step)
         return loss
+
+
+    def _offsets(self) -> dict[torch.Tensor, int]:
+        # Each parameter's place in one notional flat buffer (block-aligned): the counter of the
+        # stochastic rounding, so no two parameters share rounding bits.
+        offsets, at = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                offsets[p] = at
+                at += -(-p.numel() // BLOCK) * BLOCK
+        return offsets
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``CPUAdam`` (any ``moment_dtype``) or ``torch.optim.AdamW`` state dict; the
+        moments are converted to this optimizer's ``moment_dtype``."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "exp_avg" in state:
+                _convert(state, self.moment_dtype)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as ``torch.optim.AdamW`` holds it (fp32 moments shaped like
+        their parameters; for ``"fp32"`` the same as ``state_dict()``)."""
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, state in sd["state"].items():
+            if "exp_avg" in state and (_format(state) != "fp32"):
+                m, v = _moments(state).to_fp32()
+                shape = params[idx].shape
+                sd["state"][idx] = {"step": state["step"], "exp_avg": m.view(shape),
+                                    "exp_avg_sq": v.view(shape)}
+        return sd
+
+
+def _format(state: dict[str, Any]) -> str:
+    if "exp_avg_scales" in state:
+        return "int8"
+    return "bf16" if state["exp_avg"].dtype == torch.bfloat16 else "fp32"
+
+
+def _moments(state: dict[str, Any]) -> Moments:
+    fmt = _format(state)
+    m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+    if fmt != "int8":
+        return Moments(fmt, m, v)
+    # torch's load_state_dict casts every state tensor to the parameter's dtype: codes come back
+    # as exact small floats
+    return Moments("int8", m.to(torch.uint8), v.to(torch.uint8),
+                   state["exp_avg_scales"].float().reshape(-1),
+                   state["exp_avg_sq_scales"].float().reshape(-1))
+
+
+def _put(state: dict[str, Any], mom: Moments, p: torch.Tensor) -> None:
+    state["exp_avg"] = mom.exp_avg.view(p.shape)
+    state["exp_avg_sq"] = mom.exp_avg_sq.view(p.shape)
+    state.pop("exp_avg_scales", None)
+    state.pop("exp_avg_sq_scales", None)
+    if mom.exp_avg_scales is not None:
+        state["exp_avg_scales"] = mom.exp_avg_scales
+        state["exp_avg_sq_scales"] = mom.exp_avg_sq_scales
+
+
+def _convert(state: dict[str, Any], moment_dtype: str) -> None:
+    p_like = state["exp_avg"]
+    mom = _moments(state)
+    if mom.moment_dtype != moment_dtype:
+        # fp32 may be a bf16 state that torch's loader widened: narrowing it again is exact
+        m, v = mom.to_fp32()
+        mom = Moments.from_fp32(m, v, moment_dtype)
+    _put(state, mom, p_like)
+
+
+def _moment_args(state: dict[str, Any]) -> dict[str, Any]:
+    args = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    if "exp_avg_scales" in state:
+        args["exp_avg_scales"] = state["exp_avg_scales"]
+        args["exp_avg_sq_scales"] = state["exp_avg_sq_scales"]
+    return args
 
 
 def _check_param(p: torch.Tensor) -> None:

@@ -1,28 +1,46 @@
 """The kernel's Python face: argument checks, then the C++ extension or the pure-torch reference.
 
 ``fused_adamw_`` is one AdamW (or Adam) step over flat CPU tensors in one memory pass: the gradient
-is read in fp32, bf16 or fp16 and multiplied by ``grad_scale``; master weights and moments are fp32
-and updated in place; the new weights are optionally written, rounded to nearest even, into a bf16
-or fp16 ``out`` tensor. Every argument is checked before anything is written.
+is read in fp32, bf16 or fp16 and multiplied by ``grad_scale``; master weights are fp32 and updated
+in place; the moments are fp32, or compact (bf16, or block-wise 8-bit with per-block scales: see
+``ops.moments``) and read and written in the same pass; the new weights are optionally written,
+rounded to nearest even, into a bf16 or fp16 ``out`` tensor. Every argument is checked before
+anything is written.
+
+Threads: called from the main thread with torch's thread count, the kernel runs on torch's own
+intra-op pool (whose workers are still spinning after the last torch op, so waking other threads
+would only compete with them); from any other thread (the delayed-update worker) it uses its own
+pool. Results are bit-identical either way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from lightning_zero_offload.ops import _build
 from lightning_zero_offload.ops._reference import fused_adamw_reference_
+from lightning_zero_offload.ops.moments import (
+    BLOCK,
+    MOMENT_DTYPES,
+    Moments,
+    moment_bytes,
+    num_blocks,
+    rng_key,
+)
 
 __all__ = [
-    "fused_adamw_", "fused_adamw_reference_", "backend", "available_isas", "get_isa", "force_isa"
+    "fused_adamw_", "fused_adamw_reference_", "backend", "available_isas", "get_isa", "force_isa",
+    "BLOCK", "MOMENT_DTYPES", "Moments", "moment_bytes", "num_blocks", "rng_key",
 ]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _F32 = (torch.float32,)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 
 
 def backend() -> str:
@@ -81,7 +99,7 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
         )
 
 
-_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "out")
+_NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "out", "exp_avg_scales", "exp_avg_sq_scales")
 
 
 def check_args(
@@ -97,19 +115,51 @@ def check_args(
     weight_decay: float,
     grad_scale: float,
     out: torch.Tensor | None,
+    exp_avg_scales: torch.Tensor | None = None,
+    exp_avg_sq_scales: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
 ) -> None:
     """Raise a clear error naming the first bad argument; writes nothing."""
     _check_tensor("param", param, _F32, None)
     n = param.numel()
     _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, _F32, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, _F32, n)
+    _check_tensor("exp_avg", exp_avg, _MOMENT_DTYPES, n)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
     if out is not None:
         _check_tensor("out", out, _OUT_DTYPES, n)
+    q8 = exp_avg.dtype == torch.uint8
+    for name, sc in (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)):
+        if q8 and sc is None:
+            raise ValueError(
+                f"fused_adamw_: uint8 (int8 block-wise) moments need `{name}`: one float32 "
+                f"scale per {BLOCK} elements (ops.Moments holds both)"
+            )
+        if not q8 and sc is not None:
+            raise ValueError(
+                f"fused_adamw_: `{name}` is only for uint8 (int8 block-wise) moments; "
+                f"these are {exp_avg.dtype}"
+            )
+        if q8:
+            _check_tensor(name, sc, _F32, None)
+            if sc.numel() != num_blocks(n):
+                raise ValueError(
+                    f"fused_adamw_: `{name}` has {sc.numel()} elements; {n} moment elements "
+                    f"need {num_blocks(n)} (one per {BLOCK})"
+                )
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"fused_adamw_: `offset` must be an int >= 0, got {offset!r}")
+    if q8 and offset % BLOCK:
+        raise ValueError(
+            f"fused_adamw_: `offset`={offset} is not a multiple of {BLOCK}: int8 moments are "
+            f"updated in whole {BLOCK}-element blocks, so chunks must start on a block boundary"
+        )
+    rng_key(seed, 1)  # validates seed
     if n:
+        ts = (param, grad, exp_avg, exp_avg_sq, out, exp_avg_scales, exp_avg_sq_scales)
         spans = sorted(
-            (t.data_ptr(), t.data_ptr() + n * t.element_size(), i)
-            for i, t in enumerate((param, grad, exp_avg, exp_avg_sq, out))
+            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+            for i, t in enumerate(ts)
             if t is not None
         )
         for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
@@ -148,27 +198,45 @@ def fused_adamw_(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     num_threads: int | None = None,
+    exp_avg_scales: torch.Tensor | None = None,
+    exp_avg_sq_scales: torch.Tensor | None = None,
+    seed: int = 0,
+    offset: int = 0,
 ) -> None:
     """One AdamW (``decoupled=True``) or Adam (L2 decay) step, in place, over flat CPU tensors.
 
-    ``num_threads`` defaults to ``torch.get_num_threads()``; results do not depend on it.
+    The moments' dtype picks their format: float32 (exact), bfloat16, or uint8 codes with
+    ``exp_avg_scales``/``exp_avg_sq_scales`` (see ``ops.moments``; ``Moments.kernel_args()``
+    gives all four and ``offset``). Compact moments are rounded stochastically from
+    ``(seed, step, offset + i)``; ``offset`` is where this chunk starts in the whole moment
+    buffer (a multiple of ``BLOCK`` for uint8), so updating a buffer chunk by chunk gives the
+    bits of one call. ``num_threads`` defaults to ``torch.get_num_threads()``; results do not
+    depend on it.
     """
     check_args(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,
         weight_decay=weight_decay, grad_scale=grad_scale, out=out,
+        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, seed=seed,
+        offset=offset,
     )
     if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
         raise ValueError(f"fused_adamw_: `num_threads` must be an int >= 1, got {num_threads!r}")
+    key = rng_key(seed, step) if exp_avg.dtype != torch.float32 else 0
     ext = _build.load()
     if ext is None:
         fused_adamw_reference_(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=float(lr), beta1=float(betas[0]),
             beta2=float(betas[1]), eps=float(eps), weight_decay=float(weight_decay),
             decoupled=decoupled, grad_scale=float(grad_scale), out=out,
+            exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, key=key,
+            offset=offset,
         )
         return
+    torch_threads = torch.get_num_threads()
+    threads = int(num_threads or torch_threads)
     ext.fused_adamw(
         param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(betas[0]),
         float(betas[1]), float(eps), float(weight_decay), bool(decoupled), float(grad_scale),
-        int(num_threads or torch.get_num_threads()),
+        threads, exp_avg_scales, exp_avg_sq_scales, key, offset,
+        threads == torch_threads and threading.current_thread() is threading.main_thread(),
     )

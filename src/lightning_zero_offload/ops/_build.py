@@ -55,13 +55,35 @@ def sources(src: Path | None = None) -> list[Path]:
     return sorted((src or source_dir()).glob("*.cpp"))
 
 
+def _torch_uses_libgomp() -> bool:
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libgomp" in maps
+
+
+def _openmp() -> list[str]:
+    # OpenMP lets the kernel run on torch's own intra-op pool (at::parallel_for). Only where the
+    # loaded torch runs on GNU OpenMP (pip wheels ship libgomp.so.1 and load it first): our
+    # reference to that soname then binds to torch's runtime, one pool in the process. Under
+    # another runtime (Intel's libiomp5 in some conda builds) a second one would compete, so the
+    # kernel keeps its own pool there.
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available() and (
+        _torch_uses_libgomp()
+    ):
+        return ["-fopenmp"]
+    return []
+
+
 def cflags() -> list[str]:
     # No -march: SIMD paths are chosen at run time. No fp contraction: every path rounds alike.
-    return ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden"]
+    return ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
+            *_openmp()]
 
 
 def ldflags() -> list[str]:
-    return ["-pthread"] if sys.platform.startswith("linux") else []
+    return ["-pthread", *_openmp()] if sys.platform.startswith("linux") else []
 
 
 def build_root() -> Path:

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from lightning_zero_offload.ops import moments as _mom
+
 
 def fused_adamw_reference_(
     param: torch.Tensor,
@@ -26,11 +28,23 @@ def fused_adamw_reference_(
     decoupled: bool,
     grad_scale: float,
     out: torch.Tensor | None,
+    exp_avg_scales: torch.Tensor | None = None,
+    exp_avg_sq_scales: torch.Tensor | None = None,
+    key: int = 0,
+    offset: int = 0,
 ) -> None:
     """Same operation order as ``torch.optim.AdamW``/``Adam`` (single-tensor path), in fp32.
 
-    Matches the C++ kernel bit for bit.
+    Compact moments (bf16, or uint8 codes with per-block scales; see ``ops.moments``) are
+    dequantized, updated by the same fp32 step and stored back with the kernel's stochastic
+    rounding (rounding key ``key``, counter ``offset + i``). Matches the C++ kernel bit for bit.
     """
+    if exp_avg.dtype != torch.float32:
+        _compact_(param, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, key,
+                  offset, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                  weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
+                  out=out)
+        return
     g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
     if weight_decay != 0.0:
         if decoupled:
@@ -47,3 +61,25 @@ def fused_adamw_reference_(
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
     if out is not None:
         out.copy_(param)
+
+
+def _compact_(param, grad, exp_avg, exp_avg_sq, m_scales, v_scales, key, offset, **hp) -> None:
+    # flat views: the block layout counts elements, whatever the tensors' shapes
+    param, grad, exp_avg, exp_avg_sq = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
+    if hp["out"] is not None:
+        hp["out"] = hp["out"].view(-1)
+    if exp_avg.dtype == torch.bfloat16:
+        m, v = exp_avg.float(), exp_avg_sq.float()
+    else:
+        m, v = _mom.decode_q8(exp_avg, m_scales, exp_avg_sq, v_scales)
+    fused_adamw_reference_(param, grad, m, v, **hp)
+    r = _mom.random_bits(key, offset, param.numel())
+    if exp_avg.dtype == torch.bfloat16:
+        exp_avg.copy_(_mom.encode_bf16(m, r & 0xFFFF))
+        exp_avg_sq.copy_(_mom.encode_bf16(v, r >> 16))
+        return
+    mc, sm, vc, sv = _mom.encode_q8(m, _mom._sqrt(v), r)
+    exp_avg.copy_(mc)
+    m_scales.copy_(sm)
+    exp_avg_sq.copy_(vc)
+    v_scales.copy_(sv)

@@ -1,0 +1,350 @@
+// Fused AdamW with compact moments (bf16, or block-wise 8-bit), generic over a SIMD width.
+//
+// Included by each ISA file inside `namespace lzo { namespace { ... } }`, after it defines
+// LZO_TARGET and its vector type (see S1 below for the interface). Every operation here is exact
+// integer arithmetic or a single IEEE float operation (add, mul, div, sqrt, fma, floor), so the
+// scalar, AVX2 and AVX-512 instantiations give the same bits; the tail of every vector loop runs
+// the width-1 instantiation (S1) of the same code.
+//
+// The update itself is the fp32 path's (adam_elem) on the dequantized moments; only the stored
+// moments are rounded. Rounding is stochastic (unbiased): round-to-nearest stalls an EMA whose
+// per-step change is below half a unit of the stored precision (v's 0.1% decay with beta2=0.999
+// never moves a bf16 or 8-bit value), so v would stop decaying. The random bits come from a
+// counter-based hash of (key, element index), so they do not depend on threads or SIMD width.
+//
+// 8-bit codes (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022: a
+// per-block absmax scale and a non-linear code that keeps small values). Ours is a small float,
+// relative to the block scale, which makes encode and decode a few integer operations:
+//   exp_avg:          sign bit + E4M3 magnitude (exponent bias 15, subnormals, no inf/NaN codes);
+//                     magnitudes from 2^-17 to 1.875 of the scale: 16 binades, 3 mantissa bits.
+//   exp_avg_sq (v):   stored as sqrt(v) in unsigned E4M4: 2^-18..1.9375 of the scale, so the
+//                     square-root domain keeps 32 binades of v with 4 mantissa bits.
+//   scale per block:  absmax / maxcode_value (fp32); NaN if the block holds a non-finite value
+//                     (the whole block then reads back NaN: loud, never silently finite); 0 when
+//                     the absmax is 0 or below 2^-126 (the block reads back 0).
+// Blocks are kBlock (256) consecutive elements counted from element 0 of the call, so a call
+// must start on a block boundary of the whole buffer (checked in Python).
+
+// Width-1 "vector": the reference semantics of every operation the generic code uses.
+struct S1 {
+  static constexpr int W = 1;
+  using F = float;
+  using I = uint32_t;
+  using M = bool;
+  LZO_TARGET static F setf(float x) { return x; }
+  LZO_TARGET static I seti(uint32_t x) { return x; }
+  LZO_TARGET static I iota() { return 0u; }
+  LZO_TARGET static F loadf(const float* p) { return *p; }
+  LZO_TARGET static void storef(float* p, F x) { *p = x; }
+  LZO_TARGET static I load_u8(const uint8_t* p) { return *p; }
+  LZO_TARGET static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
+  LZO_TARGET static I load_u16(const uint16_t* p) { return *p; }
+  LZO_TARGET static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
+  template <Dtype G>
+  LZO_TARGET static F grad(const void* g, int64_t i) {
+    if constexpr (G == kF32) return static_cast<const float*>(g)[i];
+    if constexpr (G == kBF16) return bf16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    if constexpr (G == kF16) return f16_to_f32(static_cast<const uint16_t*>(g)[i]);
+    return 0.0f;
+  }
+  template <Dtype O>
+  LZO_TARGET static void out(void* o, int64_t i, F x) {
+    if constexpr (O == kBF16) static_cast<uint16_t*>(o)[i] = f32_to_bf16(x);
+    if constexpr (O == kF16) static_cast<uint16_t*>(o)[i] = f32_to_f16(x);
+  }
+  LZO_TARGET static F add(F a, F b) { return a + b; }
+  LZO_TARGET static F sub(F a, F b) { return a - b; }
+  LZO_TARGET static F mul(F a, F b) { return a * b; }
+  LZO_TARGET static F div(F a, F b) { return a / b; }
+  LZO_TARGET static F sqrt(F a) { return std::sqrt(a); }
+  LZO_TARGET static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  LZO_TARGET static F floor(F a) { return std::floor(a); }
+  LZO_TARGET static I addi(I a, I b) { return a + b; }
+  LZO_TARGET static I subi(I a, I b) { return a - b; }
+  LZO_TARGET static I andi(I a, I b) { return a & b; }
+  LZO_TARGET static I ori(I a, I b) { return a | b; }
+  LZO_TARGET static I xori(I a, I b) { return a ^ b; }
+  template <int K>
+  LZO_TARGET static I srli(I a) { return a >> K; }
+  template <int K>
+  LZO_TARGET static I slli(I a) { return a << K; }
+  LZO_TARGET static I mullo(I a, I b) { return a * b; }
+  LZO_TARGET static I mini(I a, I b) {  // signed, as vpminsd
+    return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
+  }
+  LZO_TARGET static I maxi(I a, I b) {
+    return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b;
+  }
+  LZO_TARGET static I asi(F a) { return f32_bits(a); }
+  LZO_TARGET static F asf(I a) { return bits_f32(a); }
+  LZO_TARGET static F cvtf(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
+  LZO_TARGET static I cvti(F a) {  // truncation with x86's answer (0x80000000) out of range
+    if (!(a > -2147483904.0f && a < 2147483648.0f)) return 0x80000000u;
+    return static_cast<uint32_t>(static_cast<int32_t>(a));
+  }
+  LZO_TARGET static M lti(I a, I b) {
+    return static_cast<int32_t>(a) < static_cast<int32_t>(b);
+  }
+  LZO_TARGET static M isnan(F a) { return a != a; }
+  LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
+  LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
+  LZO_TARGET static uint32_t hmaxi(I a) { return a; }
+};
+
+// Weight-decay form and lerp formula, fixed per loop instantiation (no branches in the loop).
+enum Mode : int { kPlain = 0, kDecoupled = 1, kL2 = 2, kLerpLarge = 4 };
+
+inline int mode_of(const AdamConsts& c) {
+  const int wd = c.has_wd ? (c.decoupled ? kDecoupled : kL2) : kPlain;
+  return wd | (c.lerp_small ? 0 : kLerpLarge);
+}
+
+// The per-step constants, broadcast.
+template <class V>
+struct VConsts {
+  typename V::F gs, decay, wd, lw, b2, omb2, bc2, ns, eps;
+  LZO_TARGET explicit VConsts(const AdamConsts& c)
+      : gs(V::setf(c.grad_scale)), decay(V::setf(c.decay)), wd(V::setf(c.wd)),
+        lw(V::setf(c.lerp_small ? c.lerp_w : c.lerp_w1)), b2(V::setf(c.beta2)),
+        omb2(V::setf(c.one_minus_beta2)), bc2(V::setf(c.bc2_sqrt)), ns(V::setf(c.neg_step)),
+        eps(V::setf(c.eps)) {}
+};
+
+// adam_elem's operations, in its order; returns sqrt(v) (the 8-bit code stores it).
+template <class V, int Md>
+LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typename V::F& p,
+                                       typename V::F& m, typename V::F& v) {
+  g = V::mul(g, k.gs);
+  if constexpr ((Md & 3) == kDecoupled) p = V::mul(p, k.decay);
+  if constexpr ((Md & 3) == kL2) g = V::fma(p, k.wd, g);
+  const typename V::F d = V::sub(g, m);
+  m = V::fma(k.lw, d, (Md & kLerpLarge) ? g : m);
+  v = V::fma(V::mul(k.omb2, g), g, V::mul(v, k.b2));
+  const typename V::F sq = V::sqrt(v);
+  const typename V::F denom = V::add(V::div(sq, k.bc2), k.eps);
+  p = V::add(p, V::div(V::mul(k.ns, m), denom));
+  return sq;
+}
+
+// lowbias32 (a public-domain integer hash by C. Wellons): 32 well-mixed bits per counter.
+template <class V>
+LZO_TARGET inline typename V::I hash_v(typename V::I x) {
+  x = V::xori(x, V::template srli<16>(x));
+  x = V::mullo(x, V::seti(0x7feb352du));
+  x = V::xori(x, V::template srli<15>(x));
+  x = V::mullo(x, V::seti(0x846ca68bu));
+  return V::xori(x, V::template srli<16>(x));
+}
+
+// Random bits of elements [i, i + W): low 16 bits round exp_avg, high 16 bits exp_avg_sq.
+template <class V>
+LZO_TARGET inline typename V::I rand_v(uint32_t key, int64_t offset, int64_t i) {
+  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i));
+  return hash_v<V>(V::xori(V::addi(V::seti(base), V::iota()), V::seti(key)));
+}
+
+// fp32 -> bf16 bits, stochastically rounded with 16 random bits r16 (NaN -> quiet NaN 0x7fc0).
+template <class V>
+LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
+  const typename V::I q = V::template srli<16>(V::addi(V::asi(x), r16));
+  return V::seli(V::isnan(x), V::seti(0x7fc0u), q);
+}
+
+// Non-negative x (in units of the block scale) -> E4Mb code with rounding bits r16 (uniform in
+// [0, 2^16): stochastic; 0x8000: nearest). Normal range: adding the random bits below the kept
+// mantissa and truncating rounds up with probability equal to the dropped fraction. Below 2^-14
+// (the code's subnormals) x is first shifted up by 2^-14 into the lowest binade, whose grid has
+// the subnormal step, and the result shifted back by one binade's worth of codes (2^Mb).
+template <class V, int Mb>
+LZO_TARGET inline typename V::I enc_mag(typename V::F x, typename V::I r16) {
+  // |x|: a NaN made by 0 * inf may carry a sign; dropping it keeps every code in [0, max].
+  const typename V::I ax = V::andi(V::asi(x), V::seti(0x7fffffffu));
+  const typename V::M sub = V::lti(ax, V::seti(113u << 23));
+  const typename V::F y = V::self(sub, V::add(V::asf(ax), V::setf(0x1p-14f)), V::asf(ax));
+  const typename V::I q = V::subi(
+      V::template srli<23 - Mb>(V::addi(V::asi(y), V::template slli<7 - Mb>(r16))),
+      V::seli(sub, V::seti((112u << Mb) + (1u << Mb)), V::seti(112u << Mb)));
+  return V::mini(q, V::seti((1u << (4 + Mb)) - 1u));
+}
+
+template <class V, int Mb>
+LZO_TARGET inline typename V::F dec_mag(typename V::I c) {
+  const typename V::M sub = V::lti(c, V::seti(1u << Mb));
+  const typename V::I c1 = V::seli(sub, V::addi(c, V::seti(1u << Mb)), c);
+  const typename V::F x = V::asf(V::addi(V::template slli<23 - Mb>(c1), V::seti(112u << 23)));
+  return V::self(sub, V::sub(x, V::setf(0x1p-14f)), x);
+}
+
+constexpr float kMaxM = 1.875f;   // largest E4M3 magnitude
+constexpr float kMaxS = 1.9375f;  // largest E4M4 value
+
+template <class V>
+LZO_TARGET inline typename V::F dec_m(typename V::I c, typename V::F scale) {
+  const typename V::F mag = dec_mag<V, 3>(V::andi(c, V::seti(0x7fu)));
+  const typename V::I sign = V::template slli<24>(V::andi(c, V::seti(0x80u)));
+  return V::mul(V::asf(V::ori(V::asi(mag), sign)), scale);
+}
+
+template <class V>
+LZO_TARGET inline typename V::I enc_m(typename V::F m, typename V::F inv, typename V::I r16) {
+  const typename V::I bits = V::asi(m);
+  const typename V::F mag = V::mul(V::asf(V::andi(bits, V::seti(0x7fffffffu))), inv);
+  return V::ori(enc_mag<V, 3>(mag, r16), V::template srli<24>(V::andi(bits, V::seti(0x80000000u))));
+}
+
+// Scale (dequantization multiplier) and its inverse for a block from the max of |x|'s bits.
+inline void block_scale(uint32_t maxbits, float maxcode, float& scale, float& inv) {
+  if (maxbits >= 0x7f800000u) {  // inf or NaN somewhere in the block
+    scale = bits_f32(0x7fc00000u);
+    inv = 0.0f;
+  } else if (maxbits < 0x00800000u) {  // 0, or below the smallest normal float: reads back 0
+    scale = 0.0f;
+    inv = 0.0f;
+  } else {
+    const float absmax = bits_f32(maxbits);
+    scale = absmax / maxcode;
+    inv = maxcode / absmax;
+  }
+}
+
+// Everything one loop reads from AdamArgs, in locals the stores cannot alias.
+struct Ptrs {
+  float* __restrict p;
+  const void* __restrict g;
+  void* __restrict out;
+  void* __restrict mc;
+  void* __restrict vc;
+  float* __restrict ms;
+  float* __restrict vs;
+  uint32_t key;
+  int64_t offset;
+  explicit Ptrs(const AdamArgs& a)
+      : p(a.param), g(a.grad), out(a.out), mc(a.m_compact), vc(a.v_compact), ms(a.m_scale),
+        vs(a.v_scale), key(a.key), offset(a.offset) {}
+};
+
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int64_t end) {
+  // A copy in registers: the loop's stores could alias `ap` itself, so reading through it
+  // would reload every field on every iteration (measured 2x slower).
+  const Ptrs a = ap;
+  const VConsts<V> k(c);
+  float* __restrict param = a.p;
+  uint16_t* __restrict m16 = static_cast<uint16_t*>(a.mc);
+  uint16_t* __restrict v16 = static_cast<uint16_t*>(a.vc);
+  const typename V::I lo = V::seti(0xffffu);
+  int64_t i = begin;
+  for (; i + V::W <= end; i += V::W) {
+    typename V::F p = V::loadf(param + i);
+    typename V::F m = V::asf(V::template slli<16>(V::load_u16(m16 + i)));
+    typename V::F v = V::asf(V::template slli<16>(V::load_u16(v16 + i)));
+    adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
+    V::storef(param + i, p);
+    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+    const typename V::I r = rand_v<V>(a.key, a.offset, i);
+    V::store_u16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
+    V::store_u16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
+  }
+  if constexpr (V::W > 1) {
+    if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
+  }
+}
+
+// One block [bs, be) of the 8-bit path: update from the dequantized moments (master and out
+// written at once), keep the new m and sqrt(v) in L1, then quantize them with the block's scale.
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64_t be,
+                          int64_t& ir, float sm, float sv, float* __restrict mb,
+                          float* __restrict sb, uint32_t& mmax, uint32_t& smax) {
+  const Ptrs a = ap;  // locals, as in run_bf16
+  int64_t i = ir;
+  float* __restrict param = a.p;
+  const uint8_t* __restrict m8 = static_cast<const uint8_t*>(a.mc);
+  const uint8_t* __restrict v8 = static_cast<const uint8_t*>(a.vc);
+  const typename V::F scm = V::setf(sm), scv = V::setf(sv);
+  const typename V::I abs = V::seti(0x7fffffffu);
+  typename V::I mx = V::seti(0u), sx = V::seti(0u);
+  for (; i + V::W <= be; i += V::W) {
+    typename V::F p = V::loadf(param + i);
+    typename V::F m = dec_m<V>(V::load_u8(m8 + i), scm);
+    const typename V::F s = V::mul(dec_mag<V, 4>(V::load_u8(v8 + i)), scv);
+    typename V::F v = V::mul(s, s);
+    const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
+    V::storef(param + i, p);
+    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+    V::storef(mb + (i - bs), m);
+    V::storef(sb + (i - bs), sq);
+    // max of |x| as integers: exact, order-free, and >= 0x7f800000 iff a value is not finite
+    mx = V::maxi(mx, V::andi(V::asi(m), abs));
+    sx = V::maxi(sx, V::andi(V::asi(sq), abs));
+  }
+  ir = i;
+  mmax = std::max(mmax, V::hmaxi(mx));
+  smax = std::max(smax, V::hmaxi(sx));
+}
+
+template <class V>
+LZO_TARGET void q8_store(const Ptrs& ap, int64_t bs, int64_t be, int64_t& ir, float im,
+                         float iv, const float* __restrict mb, const float* __restrict sb) {
+  const Ptrs a = ap;
+  int64_t i = ir;
+  uint8_t* __restrict m8 = static_cast<uint8_t*>(a.mc);
+  uint8_t* __restrict v8 = static_cast<uint8_t*>(a.vc);
+  const typename V::F invm = V::setf(im), invv = V::setf(iv);
+  const typename V::I lo = V::seti(0xffffu);
+  for (; i + V::W <= be; i += V::W) {
+    const typename V::I r = rand_v<V>(a.key, a.offset, i);
+    V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, V::andi(r, lo)));
+    V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv),
+                                      V::template srli<16>(r)));
+  }
+  ir = i;
+}
+
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_q8(const Ptrs& a, const AdamConsts& c, int64_t begin, int64_t end) {
+  const VConsts<V> k(c);
+  const VConsts<S1> k1(c);
+  alignas(64) float mb[kBlock];
+  alignas(64) float sb[kBlock];
+  for (int64_t bs = begin; bs < end; bs += kBlock) {  // begin is a block boundary
+    const int64_t be = std::min(end, bs + kBlock);
+    const int64_t blk = bs / kBlock;
+    uint32_t mmax = 0, smax = 0;
+    int64_t i = bs;
+    q8_update<V, G, O, Md>(a, k, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
+    if constexpr (V::W > 1) {
+      q8_update<S1, G, O, Md>(a, k1, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
+    }
+    float im, iv;
+    block_scale(mmax, kMaxM, a.ms[blk], im);
+    block_scale(smax, kMaxS, a.vs[blk], iv);
+    i = bs;
+    q8_store<V>(a, bs, be, i, im, iv, mb, sb);
+    if constexpr (V::W > 1) q8_store<S1>(a, bs, be, i, im, iv, mb, sb);
+  }
+}
+
+template <class V, Dtype G, Dtype O, int Md>
+LZO_TARGET void run_mode(const AdamArgs& args, int64_t begin, int64_t end) {
+  const Ptrs a(args);
+  if (args.moment == kMomBF16) {
+    run_bf16<V, G, O, Md>(a, args.c, begin, end);
+  } else {
+    run_q8<V, G, O, Md>(a, args.c, begin, end);
+  }
+}
+
+template <class V, Dtype G, Dtype O>
+struct CompactLoop {
+  LZO_TARGET static void run(const AdamArgs& a, int64_t begin, int64_t end) {
+    switch (mode_of(a.c)) {
+      case kDecoupled: return run_mode<V, G, O, kDecoupled>(a, begin, end);
+      case kL2: return run_mode<V, G, O, kL2>(a, begin, end);
+      case kPlain: return run_mode<V, G, O, kPlain>(a, begin, end);
+      case kDecoupled | kLerpLarge: return run_mode<V, G, O, kDecoupled | kLerpLarge>(a, begin, end);
+      case kL2 | kLerpLarge: return run_mode<V, G, O, kL2 | kLerpLarge>(a, begin, end);
+      default: return run_mode<V, G, O, kPlain | kLerpLarge>(a, begin, end);
+    }
+  }
+};
