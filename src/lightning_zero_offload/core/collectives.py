@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ class CollectiveError(RuntimeError):
     """A collective of the engine failed or timed out (usually: another rank failed)."""
 
 
-def engine_group(group: object | None, timeout_s: float | None) -> object | None:
+def engine_group(group: Any, timeout_s: float | None) -> object | None:
     """The process group the engine's collectives use: a copy of ``group`` with the timeout, or
     ``group`` itself when ``timeout_s`` is None."""
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
@@ -42,7 +42,7 @@ def engine_group(group: object | None, timeout_s: float | None) -> object | None
                           use_local_synchronization=True)
 
 
-def side_group(group: object | None, timeout_s: float | None) -> object:
+def side_group(group: Any, timeout_s: float | None) -> object:
     """One more group over the same ranks (an emulated stream's own), with the timeout."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
@@ -59,7 +59,7 @@ def report_failure(rank: int, error: BaseException) -> None:
             pass
 
 
-def _store() -> object | None:
+def _store() -> Any:
     get = getattr(dist.distributed_c10d, "_get_default_store", None)
     if get is None or not dist.is_initialized():
         return None
@@ -95,24 +95,24 @@ def run(what: str, fn: Callable[[], T]) -> T:
             "the same number of times; collective_timeout_s sets how long a rank waits.") from e
 
 
-def reduce_scatter(out: Tensor, inp: Tensor, group: object | None) -> None:
+def reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:
     run("reduce-scatter of a gradient bucket",
         lambda: _reduce_scatter(out, inp, group=group))
 
 
-def all_gather(out: Tensor, inp: Tensor, group: object | None) -> None:
+def all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
     run("all-gather of a weight bucket", lambda: _all_gather(out, inp, group=group))
 
 
-def all_reduce(t: Tensor, op: object, group: object | None, what: str) -> None:
+def all_reduce(t: Tensor, op: object, group: Any, what: str) -> None:
     run(what, lambda: dist.all_reduce(t, op=op, group=group))  # type: ignore[arg-type]
 
 
-def broadcast(t: Tensor, src: int, group: object | None, what: str) -> None:
+def broadcast(t: Tensor, src: int, group: Any, what: str) -> None:
     run(what, lambda: dist.broadcast(t, src=src, group=group))
 
 
-def barrier(group: object | None) -> None:
+def barrier(group: Any) -> None:
     run("barrier", lambda: dist.barrier(group=group))
 
 
@@ -125,7 +125,7 @@ def capture(fn: Callable[[], object]) -> Exception | None:
     return None
 
 
-def agree(error: BaseException | None, world_size: int, group: object | None,
+def agree(error: BaseException | None, world_size: int, group: Any,
           device: torch.device) -> None:
     """Collective: raise on every rank if ``error`` happened on any (this rank's own error as
     is), so that no rank goes on to change its state or waits for a failed peer."""
@@ -143,7 +143,7 @@ def agree(error: BaseException | None, world_size: int, group: object | None,
         raise error
 
 
-def share_token(token: str, world_size: int, group: object | None, device: torch.device) -> str:
+def share_token(token: str, world_size: int, group: Any, device: torch.device) -> str:
     """Collective: rank 0's ``token`` on every rank ("" when rank 0 could not start)."""
     if world_size == 1:
         return token

@@ -86,11 +86,11 @@ class ZeroOffloadConfig:
                 fail(name, "True or False")
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             fail("pin_memory", "True, False or None")
-        if number("max_grad_norm", optional=True) and not self.max_grad_norm > 0:
+        if number("max_grad_norm", optional=True) and not (self.max_grad_norm or 0) > 0:
             fail("max_grad_norm", "a positive number or None", ValueError)
         if number("bucket_size_mb") and not 0 < self.bucket_size_mb < math.inf:
             fail("bucket_size_mb", "> 0 and finite (a bucket's size in MiB)", ValueError)
-        if number("cpu_threads", integer=True, optional=True) and self.cpu_threads < 1:
+        if number("cpu_threads", integer=True, optional=True) and (self.cpu_threads or 0) < 1:
             fail("cpu_threads", "an int >= 1 or None", ValueError)
         self.cpu_affinity = check_cores(self.cpu_affinity)
         if self.pin_memory and not torch.cuda.is_available():

@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class SyncDevice:
 
     asynchronous = False
 
-    def __init__(self, device: torch.device, process_group: object | None = None) -> None:
+    def __init__(self, device: torch.device, process_group: Any = None) -> None:
         self.device = device
         self.group = process_group
         self._pool: list[Tensor] = []
@@ -91,7 +92,7 @@ class SyncDevice:
     def side_stream(self, name: str) -> object:
         return None
 
-    def run(self, stream: object, fn: Callable[[], None]) -> None:
+    def run(self, stream: object, fn: Callable[[], object]) -> None:
         fn()
 
     def collective(self, stream: object, fn: Callable[[object], None]) -> None:
@@ -160,7 +161,7 @@ class CudaDevice(SyncDevice):
 
     asynchronous = True
 
-    def __init__(self, device: torch.device, process_group: object | None = None) -> None:
+    def __init__(self, device: torch.device, process_group: Any = None) -> None:
         super().__init__(device, process_group)
         self._tasks = ThreadPoolExecutor(1, thread_name_prefix="lzo-host-task",
                                          initializer=torch.cuda.set_device, initargs=(device,))
@@ -171,7 +172,7 @@ class CudaDevice(SyncDevice):
     def _compute(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def run(self, stream: object, fn: Callable[[], None]) -> None:
+    def run(self, stream: object, fn: Callable[[], object]) -> None:
         with torch.cuda.stream(stream):  # type: ignore[arg-type]
             fn()
 
@@ -240,7 +241,7 @@ class _EmuStream:
                                         daemon=True)
         self._thread.start()
 
-    def put(self, fn: Callable[[], None]) -> int:
+    def put(self, fn: Callable[[], object]) -> int:
         """Queue ``fn``; returns its position (an event at it completes once it ran)."""
         with self._cv:
             self.queued += 1
@@ -287,7 +288,7 @@ class EmulatedDevice(SyncDevice):
 
     asynchronous = True
 
-    def __init__(self, device: torch.device, process_group: object | None = None, *,
+    def __init__(self, device: torch.device, process_group: Any = None, *,
                  seed: int = 0, max_delay_ms: float = 3.0, timeout_s: float | None = None) -> None:
         super().__init__(device, process_group)
         self.timeout_s = timeout_s
@@ -307,7 +308,7 @@ class EmulatedDevice(SyncDevice):
         self._streams.append(stream)
         return stream
 
-    def run(self, stream: object, fn: Callable[[], None]) -> None:
+    def run(self, stream: object, fn: Callable[[], object]) -> None:
         stream.put(fn)  # type: ignore[attr-defined]
 
     def collective(self, stream: object, fn: Callable[[object], None]) -> None:

@@ -113,7 +113,7 @@ class ZeroOffload:
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
-                                  config.precision)
+                                  str(config.precision))
 
     # -- forward / backward ------------------------------------------------------------------
     def _forward_started(self, *_: object) -> None:

@@ -193,9 +193,11 @@ class HostBuffers:
         self.exp_avg = [torch.zeros(k) for k in n]
         self.exp_avg_sq = [torch.zeros(k) for k in n]
         # On the CPU the fp32 gradient is where buckets land, so it always exists.
-        self.grads = GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
-        self.spare = (GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
-                      if delayed else None)
+        self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned,
+                                      fp32_now=not asynchronous)
+        self.spare: GradSet | None = (
+            GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
+            if delayed else None)
         self._out = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                      if half and not out_direct else None)
 
@@ -219,9 +221,10 @@ class HostBuffers:
     def swap(self) -> GradSet:
         """Delayed update: returns the set the step just decided reads; the next backward fills
         the other one."""
-        if self.spare is None:
+        spare = self.spare
+        if spare is None:
             raise RuntimeError("ZeroOffload internal error: swap without delayed update")
-        used, self.grads, self.spare = self.grads, self.spare, self.grads
+        used, self.grads, self.spare = self.grads, spare, self.grads
         return used
 
     def allocated_bytes(self) -> int:
@@ -232,5 +235,7 @@ class HostBuffers:
 
     def free(self) -> None:
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
-        self.grads = self.spare = None  # type: ignore[assignment]
+        for s in (self.grads, self.spare):
+            if s is not None:
+                s.fp32 = s.staging = s._arena = None
         self._out = None

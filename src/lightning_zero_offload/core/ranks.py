@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ def _describe(layout: Layout, module: nn.Module) -> list[str]:
     return out
 
 
-def start(layout: Layout, module: nn.Module, group: object | None, device: torch.device,
+def start(layout: Layout, module: nn.Module, group: Any, device: torch.device,
           local_checks: Callable[[], None]) -> None:
     """Run this rank's setup checks; with several ranks agree (every rank raises the first
     failure, or a model difference) and take rank 0's starting weights."""
@@ -41,7 +42,7 @@ def start(layout: Layout, module: nn.Module, group: object | None, device: torch
         raise error
 
 
-def agree(layout: Layout, module: nn.Module, group: object | None,
+def agree(layout: Layout, module: nn.Module, group: Any,
           local_error: Exception | None) -> None:
     """Collective (one small object all-gather). Every rank raises the same error when any rank
     failed its local setup checks (``local_error``, e.g. not enough host memory) or holds a
@@ -75,7 +76,7 @@ def agree(layout: Layout, module: nn.Module, group: object | None,
 
 
 @torch.no_grad()
-def broadcast_start(layout: Layout, module: nn.Module, group: object | None,
+def broadcast_start(layout: Layout, module: nn.Module, group: Any,
                     device: torch.device) -> None:
     """Every rank takes rank 0's trained parameters (bucket by bucket, in fp32) and buffers."""
     src = dist.get_global_rank(group, 0) if group is not None else 0  # type: ignore[arg-type]

@@ -109,7 +109,8 @@ def _feed(obj: Any, crc: int) -> int:
     if isinstance(obj, Tensor):
         t = obj.detach().cpu().contiguous().reshape(-1)
         crc = zlib.crc32(f"T{t.dtype}{tuple(obj.shape)}".encode(), crc)
-        return zlib.crc32(t.view(torch.uint8).numpy(), crc) if t.numel() else crc
+        data = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
+        return zlib.crc32(data, crc) if t.numel() else crc
     if isinstance(obj, Mapping):
         crc = zlib.crc32(f"D{len(obj)}".encode(), crc)
         for key in sorted(obj, key=repr):

@@ -142,6 +142,7 @@ def check_args(
             )
         if q8:
             _check_tensor(name, sc, _F32, None)
+            assert sc is not None  # _check_tensor raised otherwise
             if sc.numel() != num_blocks(n):
                 raise ValueError(
                     f"fused_adamw_: `{name}` has {sc.numel()} elements; {n} moment elements "
