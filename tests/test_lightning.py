@@ -537,3 +537,25 @@ def test_fp16_loss_scaler_is_checkpointed_and_resumes(tmp_path):
         Net(), loader(), ckpt_path=path, verbose=False
     )
     assert result[0]["val_loss"] > 0
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_save_checkpoint_after_fit_resumes_exactly(tmp_path, sharded):
+    """``trainer.save_checkpoint`` once ``fit`` returned (the usual final save with DDP) writes
+    the engine's state, and resuming from it equals one uninterrupted run."""
+    kwargs = dict(max_epochs=4, max_steps=-1)
+    full, _ = fit(Net, "zero_offload", tmp_path / "a", **kwargs)
+    seed_everything(0)
+    first = Net()
+    t = trainer(ZeroOffloadStrategy(sharded_checkpoint=sharded), tmp_path / "b", max_epochs=2,
+                max_steps=-1)
+    t.fit(first, loader())
+    path = tmp_path / "final.ckpt"
+    t.save_checkpoint(path)
+    assert path.exists()
+    seed_everything(0)
+    resumed = Net()
+    trainer(ZeroOffloadStrategy(sharded_checkpoint=sharded), tmp_path / "c", **kwargs).fit(
+        resumed, loader(), ckpt_path=path)
+    for k, v in weights(full).items():
+        assert torch.equal(weights(resumed)[k], v), k

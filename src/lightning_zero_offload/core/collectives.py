@@ -42,6 +42,16 @@ def engine_group(group: Any, timeout_s: float | None) -> object | None:
                           use_local_synchronization=True)
 
 
+def release_group(group: object | None, given: object | None) -> None:
+    """Destroy ``group`` if :func:`engine_group` or :func:`side_group` made it (not ``given``):
+    a gloo group left to the interpreter's exit can abort the process."""
+    if group is not None and group is not given and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # already gone with the default group
+            pass
+
+
 def side_group(group: Any, timeout_s: float | None) -> object:
     """One more group over the same ranks (an emulated stream's own), with the timeout."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]

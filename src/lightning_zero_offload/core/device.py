@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero_offload.core.collectives import side_group
+from lightning_zero_offload.core.collectives import release_group, side_group
 
 POOL_SIZE = 3  # released bucket buffers kept for reuse (streaming.MAX_IN_FLIGHT + 1)
 
@@ -355,6 +355,7 @@ class EmulatedDevice(SyncDevice):
     def close(self) -> None:
         for s in self._streams:
             s.close()
+            release_group(s.group, None)
         self._tasks.shutdown(wait=True)
         super().close()
 

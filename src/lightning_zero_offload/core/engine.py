@@ -50,6 +50,7 @@ class ZeroOffload:
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         # The engine's own copy of the group, with its timeout (see core.collectives).
+        self._given_group = process_group
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
@@ -109,7 +110,7 @@ class ZeroOffload:
         self._delayed = (DelayedUpdate(self._worker, self._profile, self._swap_in)
                          if self._worker is not None else None)
         self._calls = 0  # step() calls, the profile's step numbers
-        self._no_sync = self._closed = False
+        self._no_sync = self._closed = self._readable = False
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
@@ -281,6 +282,12 @@ class ZeroOffload:
         return (self._profile.finished() or [None])[-1]
 
     # -- checks -------------------------------------------------------------------------------
+    def _check_readable(self) -> bool:
+        """Whether only the kept state is left (``teardown(keep_state=True)``)."""
+        if self._closed and not self._readable:
+            self._check_open()
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(
@@ -302,7 +309,8 @@ class ZeroOffload:
 
     def state_dict(self) -> dict:
         """Local. This rank's shard; its tensors are the live buffers (as torch's are)."""
-        self.synchronize()
+        if not self._check_readable():
+            self.synchronize()
         return self._state.shard()
 
     def load_state_dict(self, state: dict) -> None:
@@ -316,8 +324,8 @@ class ZeroOffload:
         """Collective. ``{"model": fp32 state_dict, "optimizer": torch AdamW format}`` for a plain
         model, ``torch.optim.AdamW`` or an engine of any world size; ``optimizer=False`` or
         ``model=False`` leaves that part out and does not gather it."""
-        self._check_open()
-        self.gather_weights()
+        if not self._check_readable():
+            self.gather_weights()
         return self._state.full(model=model, optimizer=optimizer)
 
     def load_full_state_dict(self, state: dict) -> None:
@@ -334,8 +342,8 @@ class ZeroOffload:
         consolidated file; ``extra``: more files (name -> dict) rank 0 writes into the folder.
         Written under a temporary name and renamed (never half a checkpoint); only an empty folder
         or one of ours is replaced."""
-        self._check_open()
-        self.gather_weights()
+        if not self._check_readable():
+            self.gather_weights()
         self._state.save(path, sharded=sharded, extra=extra)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -354,9 +362,11 @@ class ZeroOffload:
             if error is None:
                 raise
 
-    def teardown(self, *, copy_weights_to_module: bool = True) -> None:
+    def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False) -> None:
         """Remove hooks and free buffers. ``copy_weights_to_module=True`` (collective) gives the
-        module ordinary fp32 master-weight parameters and its other tensors' original dtypes."""
+        module ordinary fp32 master-weight parameters and its other tensors' original dtypes.
+        ``keep_state=True`` keeps the host state, so ``state_dict``, ``full_state_dict`` and
+        ``save_checkpoint`` still work (a framework's save after the end of training)."""
         if self._closed:
             return
         error = sys.exc_info()[1]
@@ -377,7 +387,10 @@ class ZeroOffload:
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         if copy_weights_to_module:
             self._weights.restore(self._state.gather_full(self._host.master))
-        self._host.free()
         self._weights.free()
         self._dev.close()
+        collectives.release_group(self.process_group, self._given_group)
         self._closed = True
+        self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
+        if not self._readable:
+            self._host.free()

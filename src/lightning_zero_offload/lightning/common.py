@@ -97,6 +97,12 @@ class EngineOwner:
         self.config = strategy_config(config, overrides)
         self.sharded_checkpoint = sharded_checkpoint
         self.engine = None
+        self.finished_engine: ZeroOffload | None = None  # torn down, its state kept for saving
+
+    @property
+    def saving_engine(self) -> ZeroOffload | None:
+        """The engine whose state a checkpoint holds: the live one, or the one fit finished."""
+        return self.engine if self.engine is not None else self.finished_engine
 
     def _start_engine(self, module: Module, optimizers: Sequence[Optimizer], precision: str,
                       source: str, device: torch.device) -> tuple[Optimizer, ZeroOffload]:
@@ -108,6 +114,7 @@ class EngineOwner:
                 "(fabric.setup() with an optimizer was already called)"
             )
         optimizer = single_optimizer(optimizers)
+        self.finished_engine = None  # a new run: the previous one's kept state goes
         config = self.config.resolve_precision(precision, source=source)
         process_group = dist.group.WORLD if _distributed_is_initialized() else None
         self.engine = ZeroOffload(module, optimizer, config, process_group=process_group,
@@ -115,10 +122,11 @@ class EngineOwner:
         return optimizer, self.engine
 
     def _stop_engine(self) -> None:
-        """Collective: the engine's fp32 master weights go back into the module."""
+        """Collective: the engine's fp32 master weights go back into the module; its host state
+        is kept for a save after training (``trainer.save_checkpoint`` once ``fit`` returned)."""
         if self.engine is not None:
-            self.engine.teardown(copy_weights_to_module=True)
-            self.engine = None
+            self.engine.teardown(copy_weights_to_module=True, keep_state=True)
+            self.finished_engine, self.engine = self.engine, None
 
 
 def register_strategy(registry: _StrategyRegistry, cls: type) -> None:

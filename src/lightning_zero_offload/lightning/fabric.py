@@ -169,13 +169,13 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _owned(self, obj: object) -> bool:
-        engine = self.engine
+        engine = self.saving_engine
         return engine is not None and (obj is engine.module or obj is engine.optimizer)
 
     def _owned_keys(self, state: dict[str, Any]) -> dict[str, str]:
         """The keys of a ``fabric.save``/``load`` state holding the engine's "model" or
         "optimizer"."""
-        engine = self.engine
+        engine = self.saving_engine
         if engine is None:
             return {}
         return {key: "model" if obj is engine.module else "optimizer"
@@ -193,7 +193,8 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         if not owned:
             super().save_checkpoint(path, state, storage_options, filter)
             return
-        engine = self._engine()
+        engine = self.saving_engine
+        assert engine is not None
         if filter and set(filter) & set(owned):
             raise ValueError("fabric.save(filter=...) cannot filter the offloaded model/optimizer")
         rest = {k: v for k, v in state.items() if k not in owned}

@@ -236,28 +236,31 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is None:
+        engine = self.saving_engine
+        if engine is None:
             return super().lightning_module_state_dict()
         if self.sharded_checkpoint:
             return {}  # every rank writes its partition in save_checkpoint
         # collective: every rank takes part; the weights only (a weights-only checkpoint never
         # asks for the optimizer state, which optimizer_state gathers)
-        return self.engine.full_state_dict(optimizer=False)["model"]
+        return engine.full_state_dict(optimizer=False)["model"]
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self.engine is None:
+        engine = self.saving_engine
+        if engine is None:
             return super().optimizer_state(optimizer)
         if self.sharded_checkpoint:
             return {}
-        return ckpt.optimizer_entry(self.engine.full_state_dict(model=False))  # collective
+        return ckpt.optimizer_entry(engine.full_state_dict(model=False))  # collective
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        if self.engine is not None and self.sharded_checkpoint:
-            ckpt.save_sharded(self.engine, checkpoint, filepath, self.is_global_zero)
+        engine = self.saving_engine
+        if engine is not None and self.sharded_checkpoint:
+            ckpt.save_sharded(engine, checkpoint, filepath, self.is_global_zero)
             self.barrier("zero_offload_save")
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)
