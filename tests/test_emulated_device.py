@@ -85,11 +85,11 @@ def test_slow_weight_copies_equal_the_cpu_path() -> None:
     """Copies slower than a step: under delayed update the worker's next kernel must wait for
     the previous step's copies to have read the output buffers it rewrites."""
     data = batches(STEPS)
-    want = _run("bf16-mixed", True, None, data)
-    with emulated_async_device(seed=0, max_delay_ms=15.0):
+    engine = _engine("bf16-mixed", True)
+    want = {"losses": _train(engine, data, micro=1), "full": engine.full_state_dict()}
+    with emulated_async_device(seed=0, max_delay_ms=0.5, stream_delay_ms={"h2d": 40.0}):
         engine = _engine("bf16-mixed", True)
-    got = {"losses": _train(engine, data, micro=2),
-           "full": engine.full_state_dict()}
+    got = {"losses": _train(engine, data, micro=1), "full": engine.full_state_dict()}
     engine.teardown()
     _assert_same(got, want)
 

@@ -289,9 +289,11 @@ class EmulatedDevice(SyncDevice):
     asynchronous = True
 
     def __init__(self, device: torch.device, process_group: Any = None, *,
-                 seed: int = 0, max_delay_ms: float = 3.0, timeout_s: float | None = None) -> None:
+                 seed: int = 0, max_delay_ms: float = 3.0, timeout_s: float | None = None,
+                 stream_delay_ms: dict[str, float] | None = None) -> None:
         super().__init__(device, process_group)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.stream_delay_s = timeout_s, {
+            k: v / 1000.0 for k, v in (stream_delay_ms or {}).items()}
         self.seed, self.max_delay_s = seed, max_delay_ms / 1000.0
         self._streams: list[_EmuStream] = []
         self._compute_waits: list[Event] = []
@@ -304,7 +306,7 @@ class EmulatedDevice(SyncDevice):
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             group = side_group(self.group, self.timeout_s)  # the ranks build streams in order
         stream = _EmuStream(name, random.Random(f"{self.seed}/{len(self._streams)}"),
-                            self.max_delay_s, group)
+                            self.stream_delay_s.get(name, self.max_delay_s), group)
         self._streams.append(stream)
         return stream
 
@@ -379,12 +381,14 @@ _emulation: dict | None = None  # set by testing.emulated_async_device
 
 
 @contextlib.contextmanager
-def emulate(seed: int, max_delay_ms: float) -> Iterator[list[EmulatedDevice]]:
+def emulate(seed: int, max_delay_ms: float,
+            stream_delay_ms: dict[str, float] | None = None) -> Iterator[list[EmulatedDevice]]:
     """Engines created on the CPU inside the block use an :class:`EmulatedDevice`; yields the
     list of the devices made, for tests that inspect them."""
     global _emulation
     previous, made = _emulation, []
-    _emulation = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made}
+    _emulation = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made,
+                  "stream_delay_ms": stream_delay_ms}
     try:
         yield made
     finally:
@@ -398,7 +402,8 @@ def make_device(device: torch.device, process_group: object | None,
         return CudaDevice(device, process_group)
     if _emulation is not None:
         emu = EmulatedDevice(device, process_group, seed=_emulation["seed"],
-                             max_delay_ms=_emulation["max_delay_ms"], timeout_s=timeout_s)
+                             max_delay_ms=_emulation["max_delay_ms"], timeout_s=timeout_s,
+                             stream_delay_ms=_emulation["stream_delay_ms"])
         _emulation["made"].append(emu)
         return emu
     return SyncDevice(device, process_group)
