@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric, seed_everything
 from torch import nn
+from torch.multiprocessing import ProcessExitedException
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy
@@ -176,7 +177,16 @@ def test_two_processes_match_ddp():
     results = []
     for strategy in ("ddp_spawn", ZeroOffloadFabricStrategy(start_method="spawn")):
         fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
-        results.append(fabric.launch(_two_rank_run))
+        try:
+            results.append(fabric.launch(_two_rank_run))
+        except ProcessExitedException:
+            # The DDP reference's worker sometimes aborts in gloo's exit path ("terminate
+            # called without an active exception"; 1 run in 5 on the 2-core CI machine, also
+            # before this project touched DDP): run the reference once more, never ours.
+            if strategy != "ddp_spawn":
+                raise
+            fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+            results.append(fabric.launch(_two_rank_run))
     ref, off = ({k: torch.from_numpy(v) for k, v in r.items()} for r in results)
     for k, v in off.items():
         assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
