@@ -559,3 +559,32 @@ def test_save_checkpoint_after_fit_resumes_exactly(tmp_path, sharded):
         resumed, loader(), ckpt_path=path)
     for k, v in weights(full).items():
         assert torch.equal(weights(resumed)[k], v), k
+
+
+def test_lightning_cli_takes_config_fields_under_init_args(tmp_path, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg = tmp_path / "cli.yaml"
+    cfg.write_text("trainer:\n  accelerator: cpu\n  strategy:\n"
+                   "    class_path: lightning_zero_offload.ZeroOffloadStrategy\n"
+                   "    init_args:\n      delayed_update: true\n      cpu_threads: 1\n"
+                   "      bucket_size_mb: 3.0\n")
+    monkeypatch.setattr(sys, "argv", ["prog", f"--config={cfg}"])
+    strategy = LightningCLI(Net, run=False, save_config_callback=None).trainer.strategy
+    assert isinstance(strategy, ZeroOffloadStrategy)
+    c = strategy.config
+    assert (c.delayed_update, c.cpu_threads, c.bucket_size_mb) == (True, 1, 3.0)
+
+
+def test_one_device_keeps_the_default_strategys_data_order(tmp_path):
+    """Lightning's distributed sampler is not inserted for one process: a shuffling
+    DataLoader gives the same batches, so the same weights, as the default strategy."""
+    runs = []
+    for strategy in ("auto", "zero_offload"):
+        seed_everything(0)
+        model = Net()
+        t = trainer(strategy, tmp_path / strategy, use_distributed_sampler=True)
+        t.fit(model, DataLoader(data(), batch_size=4, shuffle=True))
+        runs.append(weights(model))
+    assert_close(runs[1], runs[0], rel=1e-6)

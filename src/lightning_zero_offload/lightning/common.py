@@ -7,7 +7,9 @@ As in Lightning itself, the Trainer side builds on the Fabric side: this module 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -30,11 +32,16 @@ Scheduler = LRScheduler | ReduceLROnPlateau
 
 def strategy_config(config: ZeroOffloadConfig | None, overrides: dict[str, object]
                     ) -> ZeroOffloadConfig:
-    """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied.
+    """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied; a
+    shortcut equal to the field's default leaves ``config``'s value (signature readers such as
+    jsonargparse pass every parameter).
 
     ``precision`` is not a shortcut: the Trainer's or Fabric's ``precision=`` chooses it, so
     there is one place to set it.
     """
+    defaults = {f.name: f.default for f in dataclasses.fields(ZeroOffloadConfig)}
+    overrides = {k: v for k, v in overrides.items()
+                 if k not in defaults or v is not defaults[k] and v != defaults[k]}
     if "precision" in overrides:
         raise TypeError(
             "ZeroOffloadStrategy(precision=...) is not an option: set the precision on the "
@@ -127,6 +134,20 @@ class EngineOwner:
         if self.engine is not None:
             self.engine.teardown(copy_weights_to_module=True, keep_state=True)
             self.finished_engine, self.engine = self.engine, None
+
+
+def with_config_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """``init``'s signature with every ``ZeroOffloadConfig`` field as a keyword-only parameter
+    in place of ``**config_overrides``: tools that read signatures (LightningCLI's jsonargparse)
+    then accept ``init_args: {delayed_update: true}``, the same as the keyword shortcut."""
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    hints = {f.name: f.type for f in dataclasses.fields(ZeroOffloadConfig)}
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                 annotation=hints[f.name])
+               for f in dataclasses.fields(ZeroOffloadConfig) if f.name != "precision"]
+    init.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return init
 
 
 def register_strategy(registry: _StrategyRegistry, cls: type) -> None:

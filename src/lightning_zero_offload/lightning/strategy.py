@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
@@ -38,6 +39,7 @@ from lightning_zero_offload.lightning.common import (
     check_clip_algorithm,
     register_strategy,
     retarget_scheduler,
+    with_config_fields,
 )
 from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, as_engine_plugin
 
@@ -70,6 +72,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     strategy_name = "zero_offload"
 
+    @with_config_fields
     def __init__(
         self,
         config: ZeroOffloadConfig | None = None,
@@ -130,10 +133,28 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     # -- setup / teardown ----------------------------------------------------------------------
 
     @override
+    def setup_distributed(self) -> None:
+        # DDP re-seeds every process here; with one process the default strategy does not, so
+        # keep the random state (same shuffle, dropout and data order as without offload).
+        states = _collect_rng_states() if self.keeps_user_sampler else None
+        super().setup_distributed()
+        if states is not None:
+            _set_rng_states(states)
+
+    @property
+    def keeps_user_sampler(self) -> bool:
+        """With one process the DataLoader keeps its own sampler (Lightning would wrap it in a
+        shuffling DistributedSampler because this strategy is DDP-based, changing the data
+        order from the default strategy's); several processes get the distributed one."""
+        return self.num_nodes * self.num_processes == 1  # known before the ranks are set
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.keeps_user_sampler:  # one process: the same batches as the default strategy
+            trainer._accelerator_connector.use_distributed_sampler = False
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         if not fitting:  # evaluation: the fp32 module on the device, nothing to offload
