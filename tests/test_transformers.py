@@ -108,7 +108,8 @@ def test_flag_from_environment_and_fp32_save_model(tmp_path, monkeypatch):
     master = engine.full_state_dict()["model"]
     for name, p in saved.state_dict().items():
         assert torch.equal(p, master[name]), name
-    assert any(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    # after train() the model holds the fp32 master weights, as a plain Trainer's would
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
 
 
 def test_flag_off_is_plain_trainer(tmp_path):
@@ -225,3 +226,29 @@ def test_trainer_matches_plain_trainer_two_processes(tmp_path):
         assert ours[0] == pytest.approx(plain[0], rel=1e-5)
         assert ours[1] == pytest.approx(plain[1], rel=1e-5)
         assert err < 1e-5
+
+
+def test_after_train_the_model_holds_the_fp32_master_weights(tmp_path):
+    """bf16: after train() the live model (save_pretrained, merge_and_unload) holds the fp32
+    master weights, as a plain Trainer's would, and save_model records float32."""
+    model = _model()
+    trainer = ZeroOffloadTrainer(model=model, train_dataset=_Data(),
+                                 args=_args(tmp_path / "o", ZeroOffloadTrainingArguments,
+                                            zero_offload=True, bf16=True))
+    trainer.train()
+    engine = trainer.zero_offload_engine
+    assert engine is not None and engine.torn_down
+    master = engine.full_state_dict(optimizer=False)["model"]
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach().cpu(), master[name]), name
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in master.values())
+    trainer.save_model(str(tmp_path / "saved"))
+    import json
+
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["dtype"] == "float32"
+    model.save_pretrained(tmp_path / "pretrained")
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "pretrained")
+    for name, p in again.named_parameters():
+        assert torch.equal(p, master[name]), name
+    with pytest.raises(RuntimeError, match="train\\(\\) already ran"):
+        trainer.train()

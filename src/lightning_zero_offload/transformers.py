@@ -17,7 +17,9 @@ options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved w
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from lightning_zero_offload._extras import require_extra
@@ -119,17 +121,26 @@ class ZeroOffloadMixin(_TrainerBase):
 
     @override
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.zero_offload_engine
+        if engine is not None and engine.torn_down:
+            raise RuntimeError("ZeroOffloadTrainer: train() already ran and handed the fp32 "
+                               "weights back to the model; create a new trainer to train again "
+                               "(resume_from_checkpoint= continues a saved run)")
         output = super().train(*args, **kwargs)
         engine = self.zero_offload_engine
         if engine is not None:
-            engine.synchronize()  # a delayed update still in flight lands in self.model
+            # As after a plain Trainer's run, the model holds the fp32 weights (save_pretrained,
+            # merge_and_unload and push_to_hub export them unrounded); the engine's state stays
+            # readable for save_model/save_state.
+            engine.teardown(copy_weights_to_module=True, keep_state=True,
+                            device=_fp32_home(engine))
         return output
 
     @override
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.zero_offload_engine
-        if engine is not None:
-            engine.synchronize()  # evaluate the latest weights, not one step stale
+        if engine is not None and not engine.torn_down:
+            engine.gather_weights()  # evaluate the latest weights, not one step stale
         return super().evaluation_loop(*args, **kwargs)
 
     @override
@@ -165,10 +176,40 @@ class ZeroOffloadMixin(_TrainerBase):
         if engine is None:
             return super().save_model(output_dir, _internal_call)
         state_dict = engine.full_state_dict(optimizer=False)["model"]
-        self._save(output_dir if output_dir is not None else self.args.output_dir,
-                   state_dict=state_dict)
+        out = output_dir if output_dir is not None else self.args.output_dir
+        self._save(out, state_dict=state_dict)
+        if self.args.should_save:
+            _record_fp32(out)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+
+def _fp32_home(engine: ZeroOffload) -> torch.device:
+    """Where the fp32 weights go after training: the compute device when they fit there (as a
+    plain Trainer keeps them), else the host, with a warning."""
+    device = engine.device
+    if device.type != "cuda":
+        return device
+    need = sum(4 * p.numel() for p in engine.module.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    if need < 0.9 * free:
+        return device
+    warnings.warn(f"ZeroOffloadTrainer: the fp32 weights ({need / 2**30:.1f} GiB) do not fit on "
+                  f"{device} after training; the model now holds them on the CPU", stacklevel=3)
+    return torch.device("cpu")
+
+
+def _record_fp32(folder: str) -> None:
+    """``save_model`` writes the fp32 master weights: say so in config.json (transformers
+    records the dtype of the live model, which in training is the half-precision copy)."""
+    path = os.path.join(folder, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            cfg = json.load(f)
+        if "dtype" in cfg or "torch_dtype" in cfg:
+            cfg.update({k: "float32" for k in ("dtype", "torch_dtype") if k in cfg})
+            with open(path, "w") as f:
+                json.dump(cfg, f, indent=2, sort_keys=True)
 
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):

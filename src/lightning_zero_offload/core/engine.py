@@ -267,6 +267,11 @@ class ZeroOffload:
         self._dev.synchronize()
 
     @property
+    def torn_down(self) -> bool:
+        """Whether ``teardown()`` ran (only a kept state can still be read and saved)."""
+        return self._closed
+
+    @property
     def profile(self) -> list[StepProfile]:
         """Timings of the recent landed steps (``core.profile.StepProfile``), oldest first."""
         return self._profile.records
@@ -362,11 +367,13 @@ class ZeroOffload:
             if error is None:
                 raise
 
-    def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False) -> None:
+    def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False,
+                 device: torch.device | str | None = None) -> None:
         """Remove hooks and free buffers. ``copy_weights_to_module=True`` (collective) gives the
         module ordinary fp32 master-weight parameters and its other tensors' original dtypes.
         ``keep_state=True`` keeps the host state, so ``state_dict``, ``full_state_dict`` and
-        ``save_checkpoint`` still work (a framework's save after the end of training)."""
+        ``save_checkpoint`` still work (a framework's save after the end of training).
+        ``device``: where the restored parameters go (default: the compute device)."""
         if self._closed:
             return
         error = sys.exc_info()[1]
@@ -386,11 +393,12 @@ class ZeroOffload:
             h.remove()
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         if copy_weights_to_module:
-            self._weights.restore(self._state.gather_full(self._host.master))
+            self._weights.restore(self._state.gather_full(self._host.master),
+                                  torch.device(device) if device is not None else None)
         self._weights.free()
         self._dev.close()
-        collectives.release_group(self.process_group, self._given_group)
         self._closed = True
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
-        if not self._readable:
+        if not self._readable:  # a kept state still gathers over the engine's group
             self._host.free()
+            collectives.release_group(self.process_group, self._given_group)

@@ -163,10 +163,10 @@ class DeviceWeights:
             self._bind()
 
     # -- teardown -----------------------------------------------------------------------------
-    def restore(self, full_master: list[Tensor]) -> None:
+    def restore(self, full_master: list[Tensor], device: torch.device | None = None) -> None:
         """Ordinary parameters holding the fp32 master weights, other tensors in their original
-        dtypes, frozen parameters exact."""
-        device = self.dev.device
+        dtypes, frozen parameters exact; on ``device`` (default: the compute device)."""
+        device = device or self.dev.device
         with torch.no_grad():
             for slot in self.layout.slots:
                 flat = full_master[slot.group][slot.offset : slot.offset + slot.numel]
@@ -176,7 +176,7 @@ class DeviceWeights:
                 if id(t) in self.frozen:
                     t.data = self.frozen[id(t)].to(device)
                 elif id(t) not in self.trained and id(t) in self.orig_dtypes:
-                    t.data = t.data.to(self.orig_dtypes[id(t)])
+                    t.data = t.data.to(device, self.orig_dtypes[id(t)])
 
     def free(self) -> None:
         self.live, self.spare = [], None
