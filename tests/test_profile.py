@@ -158,3 +158,18 @@ def test_device_span_measures_device_time() -> None:
     (r,) = rec.records  # reading waits for the events
     assert r.weight_copy > 0.0 and r.spans[0][0] == "weight_copy"
     dev.close()
+
+
+def test_spans_show_in_torch_profiler_traces() -> None:
+    from _tiny_gpt import batches, lm_loss, make
+
+    from lightning_zero_offload import ZeroOffload
+
+    model = make()
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true")
+    x, y = batches(1)[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.backward(lm_loss(engine.module(x), y))
+        engine.step()
+    names = {e.name for e in prof.events()}
+    assert {"zero_offload/grad_wait", "zero_offload/cpu_step", "zero_offload/stall"} <= names

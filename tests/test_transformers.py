@@ -252,3 +252,14 @@ def test_after_train_the_model_holds_the_fp32_master_weights(tmp_path):
         assert torch.equal(p, master[name]), name
     with pytest.raises(RuntimeError, match="train\\(\\) already ran"):
         trainer.train()
+
+
+def test_training_logs_carry_the_offload_profile(tmp_path):
+    trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                                 args=_args(tmp_path / "o", ZeroOffloadTrainingArguments,
+                                            zero_offload=True))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all(h["zero_offload/cpu_step_ms"] > 0 and h["zero_offload/fwd_bwd_ms"] > 0
+                        for h in logs[1:])
+    assert {f"zero_offload/{k}_ms" for k in ("grad_wait", "weight_copy", "stall")} <= set(logs[-1])

@@ -41,6 +41,7 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
 )
 from lightning_zero_offload.core import ZeroOffload  # noqa: E402
 from lightning_zero_offload.core.config_env import load_config_file  # noqa: E402
+from lightning_zero_offload.core.profile import FIELDS  # noqa: E402
 from lightning_zero_offload.hf_args import enabled, with_zero_offload  # noqa: E402
 
 __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer",
@@ -90,6 +91,19 @@ class ZeroOffloadMixin(_TrainerBase):
         """The engine training the model; None before ``create_optimizer`` or when off."""
         plugin = self._zero_offload_plugin()
         return plugin.engine if plugin is not None else None
+
+    @override
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Training logs gain the engine's step profile in milliseconds, the fields the
+        Lightning strategy logs: ``zero_offload/fwd_bwd_ms``, ``grad_wait_ms``,
+        ``cpu_step_ms``, ``weight_copy_ms``, ``stall_ms`` (the newest finished step's)."""
+        engine = self.zero_offload_engine
+        if engine is not None and not engine.torn_down and "loss" in logs:
+            prof = engine.finished_profile()  # never waits for the device
+            if prof is not None:
+                logs = {**logs, **{f"zero_offload/{k}_ms": round(1e3 * getattr(prof, k), 3)
+                                   for k in FIELDS}}
+        super().log(logs, *args, **kwargs)
 
     @override
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
