@@ -6,7 +6,7 @@ The engine copies the caller's process group into one of its own whose timeout i
 a rank that failed, or stopped calling ``step()``, ends its peers within that time instead of
 hanging them. A rank that fails inside the engine, or tears down during an exception, leaves a
 note in the process group's store; a peer whose collective then fails names that rank in its
-error. Only ranks of the group take part in building it (``use_local_synchronization``).
+error. A subgroup passed by the caller keeps its own timeout.
 """
 
 from __future__ import annotations
@@ -29,17 +29,15 @@ class CollectiveError(RuntimeError):
     """A collective of the engine failed or timed out (usually: another rank failed)."""
 
 
-def engine_group(group: Any, timeout_s: float | None) -> object | None:
-    """The process group the engine's collectives use: a copy of ``group`` with the timeout, or
-    ``group`` itself when ``timeout_s`` is None."""
+def engine_group(group: Any, timeout_s: float | None) -> Any:
+    """The process group the engine's collectives use: a copy of the default group with the
+    timeout (collective over every process). A subgroup the caller passes is used as it is,
+    with its own timeout: copying it would need every process of the default group."""
     if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
         return group
-    if dist.get_world_size(group) == 1:  # type: ignore[arg-type]
+    if group not in (None, dist.group.WORLD) or dist.get_world_size() == 1:
         return group
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
-    return dist.new_group(ranks, timeout=timedelta(seconds=timeout_s),
-                          backend=dist.get_backend(group),  # type: ignore[arg-type]
-                          use_local_synchronization=True)
+    return dist.new_group(timeout=timedelta(seconds=timeout_s), backend=dist.get_backend())
 
 
 def release_group(group: object | None, given: object | None) -> None:
@@ -52,11 +50,13 @@ def release_group(group: object | None, given: object | None) -> None:
             pass
 
 
-def side_group(group: Any, timeout_s: float | None) -> object:
-    """One more group over the same ranks (an emulated stream's own), with the timeout."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
+def side_group(group: Any, timeout_s: float | None) -> Any:
+    """One more group over the same ranks (an emulated stream's own), with the timeout.
+    Collective over every process of the default group (groups of the same ranks built with
+    local synchronization would share a store prefix and could hang)."""
+    ranks = None if group in (None, dist.group.WORLD) else dist.get_process_group_ranks(group)
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    return dist.new_group(ranks, timeout=timeout)
 
 
 def report_failure(rank: int, error: BaseException) -> None:
