@@ -236,3 +236,21 @@ def test_dropped_engines_free_their_memory():
         _steps(engine, batches(1))
         del engine, model
     assert _live_bytes() - base < 2**20
+
+
+def test_inputs_that_would_break_in_backward_or_forward_are_refused_at_setup():
+    model = make()
+    twice = [{"params": list(model.parameters())}, {"params": [model.head.weight]}]
+    with pytest.raises(ValueError, match="'head.weight' appears twice"):
+        ZeroOffload(model, torch.optim.AdamW(twice[0]["params"] + twice[1]["params"]))
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match="already driven by another ZeroOffload engine"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()))
+    engine.module.half()
+    x, _ = batches(1)[0]
+    with pytest.raises(RuntimeError, match="no longer lives in the engine's flat buffer"):
+        engine.module(x)
+    with torch.device("meta"):
+        meta = make()
+    with pytest.raises(ValueError, match="on the meta device"):
+        ZeroOffload(meta, torch.optim.AdamW(meta.parameters()))

@@ -119,6 +119,15 @@ def check_params(module: nn.Module, optimizer: torch.optim.Optimizer
                 raise ValueError(f"ZeroOffload: parameter {names[id(p)]!r} is sparse; use dense")
             if not p.is_floating_point():
                 raise TypeError(f"ZeroOffload: parameter {names[id(p)]!r} is not floating point")
+            if p.is_meta:
+                raise ValueError(
+                    f"ZeroOffload: parameter {names[id(p)]!r} is on the meta device (no data); "
+                    "materialize the model first (model.to_empty(device='cpu') and initialize "
+                    "or load its weights) and build the optimizer from the result")
+            if id(p) in in_opt:
+                raise ValueError(
+                    f"ZeroOffload: parameter {names[id(p)]!r} appears twice in the optimizer's "
+                    "param groups; list every parameter once")
             in_opt.add(id(p))
     left_out = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
     if left_out:

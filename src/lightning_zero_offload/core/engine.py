@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +33,9 @@ from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, Step
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT, GradStreamer
 from lightning_zero_offload.core.weights import DeviceWeights, frozen_bytes, untrained_bytes
+
+# module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ZeroOffload:
@@ -54,6 +58,12 @@ class ZeroOffload:
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
+        ref = _ENGINES.get(module)
+        owner = ref() if ref is not None else None
+        if owner is not None and not owner.torn_down:
+            raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
+                             "engine; teardown() that one first (or wrap a fresh model)")
+        _ENGINES[module] = weakref.ref(self)
         self.module, self.inner_optimizer = module, optimizer
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
@@ -122,6 +132,7 @@ class ZeroOffload:
         self._timer.forward_started()
 
     def _cast_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._weights.check_views()  # .half()/.float()/.to() after setup: our error, not torch's
         self._forward_started()
         return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
             kwargs, self.compute_dtype)
