@@ -265,6 +265,30 @@ def test_two_ranks_equal_one_rank_int8() -> None:
     assert _rel(two[0][1], m1) < 1e-3
 
 
+def _ranks_switch(rank: int, world: int, path: str) -> list[dict]:
+    a = _engine("int8")
+    _train(a, batches(3, batch=8))
+    a.save_checkpoint(path)
+    out = []
+    for md in ("fp32", "int8"):  # a layout of another moment_dtype at the same world size
+        b = _engine(md, seed=7)
+        b.load_checkpoint(path)
+        out.append(b.full_state_dict())
+    return [a.full_state_dict(), *out]
+
+
+@pytest.mark.slow
+def test_two_ranks_switch_moment_dtype_through_a_sharded_checkpoint(tmp_path) -> None:
+    saved, fp32, int8 = run_ranks(_ranks_switch, 2, str(tmp_path / "ck"))[1]
+    for got in (fp32, int8):
+        for k, t in saved["model"].items():
+            assert torch.equal(got["model"][k], t), k
+    for i, st in saved["optimizer"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fp32["optimizer"]["state"][i][k], st[k])  # dequantized exactly
+            assert torch.equal(int8["optimizer"]["state"][i][k], st[k])
+
+
 EMU = {"model_kw": {"d": 36, "vocab": 61}, "delayed_update_warmup": 2}
 
 
