@@ -537,3 +537,20 @@ def test_fp16_loss_scaler_is_checkpointed_and_resumes(tmp_path):
         Net(), loader(), ckpt_path=path, verbose=False
     )
     assert result[0]["val_loss"] > 0
+
+
+class ShardAtEndNet(ProfiledNet):
+    def on_train_end(self):
+        self.shard = self.trainer.strategy.engine.state_dict()
+
+
+def test_moment_dtype_kwarg_reaches_the_engine(tmp_path):
+    """ZeroOffloadStrategy(moment_dtype="int8"): the engine keeps 8-bit moments, and trains
+    close to the default strategy (tracking tolerance of tests/test_moments_engine.py)."""
+    ref, _ = fit(Net, "auto", tmp_path / "ref")
+    model, _ = fit(ShardAtEndNet, ZeroOffloadStrategy(moment_dtype="int8"), tmp_path / "off")
+    assert model.engine.config.moment_dtype == "int8"
+    assert model.shard["moment_dtype"] == "int8"
+    assert model.shard["groups"][0]["exp_avg"].dtype == torch.uint8
+    assert model.shard["groups"][0]["exp_avg_scales"].dtype == torch.float32
+    assert_close(weights(model), weights(ref), rel=0.05)
