@@ -13,7 +13,8 @@ host, per rank
     exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
     functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
     master weights ``4 S`` and the moments ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``:
-    fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the fp32 gradient ``4 S`` (on a
+    fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
+    fp32 gradient ``4 S`` (on a
     GPU it is allocated only when gradients accumulate, but it is budgeted); on a GPU the
     gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
     into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
