@@ -177,13 +177,13 @@ class EngineState:
                          if s.group == g and s.index in states]
                 self.stepper.steps[g] = max(steps, default=0)
             host, md = self.host, self.host.moment_dtype
-            pieces = list(shard_pieces(self.layout, self.rank))
-            for bucket in self.layout.buckets:  # one bucket shard of fp32 moments at a time
+            pieces: dict[int, list] = {}
+            for piece in shard_pieces(self.layout, self.rank):
+                pieces.setdefault(piece[0].bucket, []).append(piece)
+            for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
                 g, a, k = bucket.group, bucket.host_offset, bucket.shard
                 m32, v32 = torch.zeros(k), torch.zeros(k)
-                for slot, lo, hi, at in pieces:
-                    if slot.group != g or not a <= at < a + k:
-                        continue
+                for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     host.master[g][at : at + hi - lo] = model[slot.name].reshape(-1)[lo:hi]
                     st = states.get(slot.index)
