@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         print(
             f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "
-            f"{args.moment_dtype} moments, {args.devices} x {accelerator}, {args.steps} steps, "
+            f"{trainer.strategy.config.moment_dtype} moments, {args.devices} x {accelerator}, "
+            f"{args.steps} steps, "
             "final loss "
             f"{float(trainer.callback_metrics['loss']):.3f}"
         )
