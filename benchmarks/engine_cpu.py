@@ -110,7 +110,7 @@ def memory_probe(rank: int, world: int, args: argparse.Namespace) -> dict:
         engine.zero_grad()
     rss1 = proc.memory_info().rss
     parts = engine.host_budget
-    state = sum(parts[k] for k in ("master", "exp_avg", "exp_avg_sq", "grad_fp32"))
+    state = sum(parts[k] for k in ("master", "moments", "grad_fp32"))
     staging, device = parts["staging"], parts["device_weights"]
     return {
         "params": params,

@@ -128,6 +128,17 @@ class Throughput(Callback):
         return self.batches * self.tokens_per_batch / (time.perf_counter() - self.start)
 
 
+class LossLog(Callback):
+    """Each optimizer step's training loss (for ``--loss-csv``)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.losses.append(float(outputs["loss"]))
+
+
 class OffloadSummary(Callback):
     """Keeps the engine's step profile at the end of training (the strategy drops the engine
     at teardown)."""
@@ -184,6 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="accumulate_grad_batches")
     parser.add_argument("--lr", type=_positive_float, default=3e-3)
     parser.add_argument("--delayed-update", action="store_true", help="delayed parameter update")
+    parser.add_argument("--moment-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="how the host keeps the Adam moments (fp32: exact AdamW)")
+    parser.add_argument("--loss-csv", help="write each step's training loss to this CSV file")
     args = parser.parse_args(argv)
     gpus = torch.cuda.device_count()
     if gpus and args.devices > gpus:
@@ -201,7 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = GPT(args.size, args.seq_len, args.lr)
     params = sum(p.numel() for p in model.parameters())
-    strategy = ZeroOffloadStrategy(delayed_update=True) if args.delayed_update else "zero_offload"
+    strategy = ZeroOffloadStrategy(delayed_update=args.delayed_update,
+                                   moment_dtype=args.moment_dtype)
+    losses = LossLog()
     throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices)
     summary = OffloadSummary()
     trainer = Trainer(
@@ -215,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
-        callbacks=[throughput, summary],
+        callbacks=[throughput, summary, losses],
         log_every_n_steps=1,
     )
     trainer.fit(model, loader)
@@ -224,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_global_zero:
         print(
             f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "
-            f"{args.devices} x {accelerator}, {args.steps} steps, final loss "
+            f"{trainer.strategy.config.moment_dtype} moments, {args.devices} x {accelerator}, "
+            f"{args.steps} steps, "
+            "final loss "
             f"{float(trainer.callback_metrics['loss']):.3f}"
         )
         print(f"throughput: {throughput.tokens_per_second():,.0f} tokens/s (all ranks)")
@@ -235,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
             print("peak device memory: n/a (no CUDA device; the CPU is the compute device)")
         print(f"peak host memory: {peak_host / 2**30:.2f} GiB RSS (rank 0)")
         print(format_summary(summary.records))
+        if args.loss_csv:
+            Path(args.loss_csv).write_text(
+                "step,loss\n" + "".join(f"{i + 1},{x:.6f}\n" for i, x in enumerate(losses.losses)))
     sys.stdout.flush()
 
 

@@ -343,3 +343,19 @@ def test_bf16_trains_and_saves_fp32_master_weights():
     assert all(v.dtype == torch.float32 for v in state.values())
     device = accelerator.get_state_dict(model, unwrap=False)
     assert all(v.dtype == torch.bfloat16 for v in device.values())
+
+
+def test_moment_dtype_from_env_reaches_the_engine(monkeypatch):
+    monkeypatch.setenv("ZERO_OFFLOAD", "1")
+    monkeypatch.setenv("ZERO_OFFLOAD_MOMENT_DTYPE", "bf16")
+    monkeypatch.setenv("ZERO_OFFLOAD_MOMENT_SEED", "5")
+    acc, plugin, model, opt, loader, sched = _setup(offload=None)
+    assert plugin.engine.config.moment_dtype == "bf16" and plugin.engine.config.moment_seed == 5
+    _run(acc, model, opt, loader, sched)
+    shard = plugin.engine.state_dict()
+    assert shard["moment_dtype"] == "bf16"
+    assert all(g["exp_avg"].dtype == torch.bfloat16 for g in shard["groups"])
+    reset_accelerate()
+    monkeypatch.setenv("ZERO_OFFLOAD_MOMENT_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="moment_dtype must be one of"):
+        _setup(offload=None)

@@ -588,3 +588,20 @@ def test_one_device_keeps_the_default_strategys_data_order(tmp_path):
         t.fit(model, DataLoader(data(), batch_size=4, shuffle=True))
         runs.append(weights(model))
     assert_close(runs[1], runs[0], rel=1e-6)
+
+
+class ShardAtEndNet(ProfiledNet):
+    def on_train_end(self):
+        self.shard = self.trainer.strategy.engine.state_dict()
+
+
+def test_moment_dtype_kwarg_reaches_the_engine(tmp_path):
+    """ZeroOffloadStrategy(moment_dtype="int8"): the engine keeps 8-bit moments, and trains
+    close to the default strategy (tracking tolerance of tests/test_moments_engine.py)."""
+    ref, _ = fit(Net, "auto", tmp_path / "ref")
+    model, _ = fit(ShardAtEndNet, ZeroOffloadStrategy(moment_dtype="int8"), tmp_path / "off")
+    assert model.engine.config.moment_dtype == "int8"
+    assert model.shard["moment_dtype"] == "int8"
+    assert model.shard["groups"][0]["exp_avg"].dtype == torch.uint8
+    assert model.shard["groups"][0]["exp_avg_scales"].dtype == torch.float32
+    assert_close(weights(model), weights(ref), rel=0.05)

@@ -43,3 +43,14 @@ def test_tiny_run_prints_the_offload_summary():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZeRO-Offload profile, median of 4 steps (steps 1-4):" in proc.stdout, proc.stdout
     assert "CPU step" in proc.stdout and "main-thread step time" in proc.stdout
+
+
+def test_moment_dtype_flag_reaches_the_strategy_and_losses_are_written(tmp_path):
+    csv = tmp_path / "loss.csv"
+    proc = _run("--steps", "3", "--batch-size", "2", "--seq-len", "32", "--moment-dtype", "int8",
+                "--loss-csv", str(csv))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "int8 moments" in proc.stdout, proc.stdout
+    rows = csv.read_text().splitlines()
+    assert rows[0] == "step,loss" and len(rows) == 4
+    assert all(0 < float(r.split(",")[1]) < 10 for r in rows[1:])

@@ -156,3 +156,35 @@ def test_planned_pinned_bytes_match_cuda_host_allocator():
     planned = p.host_breakdown["staging"]  # gradient staging and weight output, pinned
     assert pinned == planned, (pinned, p.host_breakdown)
     engine.teardown()
+
+
+@pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
+def test_planned_compact_moments_match_engine_count(moment_dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 500), nn.GELU(), nn.Linear(500, 70), nn.LayerNorm(70))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu",
+                            moment_dtype=moment_dtype, check_host_memory=False)
+    n = sum(p.numel() for p in model.parameters())
+    p = plan(n, precision="bf16-mixed", device="cpu", measure=False, moment_dtype=moment_dtype)
+    # padding as above, plus int8's bucket padding to a whole 256-element block
+    pad = (16 * (len(list(model.parameters())) + 1) + 256) * 28
+    assert abs(p.host_bytes_per_rank - engine.host_bytes) <= pad, (p, engine.host_bytes)
+    assert abs(p.host_breakdown["moments"] - engine.host_budget["moments"]) <= pad
+    engine.teardown()
+    # 7B on a GPU: the moments shrink from 8 to 4 (bf16) or 2 + 8/256 (int8) bytes per parameter
+    fp32, small = (plan(7e9, measure=False, moment_dtype=m).host_breakdown["moments"]
+                   for m in ("fp32", moment_dtype))
+    assert fp32 == 8 * 7 * 10**9
+    assert small == pytest.approx(7e9 * (4 if moment_dtype == "bf16" else 2 + 8 / 256), rel=1e-6)
+
+
+def test_cli_moment_dtype(capsys):
+    assert main(["--params", "7e9", "--moment-dtype", "int8", "--no-measure", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_bytes_per_rank"] == plan(7e9, measure=False,
+                                              moment_dtype="int8").host_bytes_per_rank
+    with pytest.raises(SystemExit):
+        main(["--params", "7e9", "--moment-dtype", "fp8"])
+    with pytest.raises(ValueError, match="moment_dtype='fp8' is not supported"):
+        plan(7e9, moment_dtype="fp8")

@@ -12,7 +12,9 @@ ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compu
 host, per rank
     exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
     functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
-    master weights, ``exp_avg`` and ``exp_avg_sq`` ``12 S``; the fp32 gradient ``4 S`` (on a
+    master weights ``4 S`` and the moments ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``:
+    fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
+    fp32 gradient ``4 S`` (on a
     GPU it is allocated only when gradients accumulate, but it is budgeted); on a GPU the
     gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
     into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
@@ -190,23 +192,26 @@ class Plan:
 
 
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
-            bucket_bytes: int, delayed: bool, activations: int) -> tuple[dict, dict, int]:
+            bucket_bytes: int, delayed: bool, activations: int,
+            moment_dtype: str = "fp32") -> tuple[dict, dict, int]:
     """(device breakdown, host breakdown, 0) for these counts. The host side is the engine's own
     sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``."""
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.host import budget, plan_counts
-    from lightning_zero_offload.core.layout import ALIGN
+    from lightning_zero_offload.core.layout import shard_align
     from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
 
     dtype, h = PRECISIONS[precision], _ELEM[precision]
     half, cpu = h != 4, device == "cpu"
-    bucket = max(ALIGN * world_size, bucket_bytes // h // (ALIGN * world_size) * ALIGN * world_size)
+    unit = shard_align(moment_dtype) * world_size  # buckets pad to this (as core.layout's)
+    bucket = max(unit, bucket_bytes // h // unit * unit)
     full, rest = divmod(trained, bucket)
-    rest = -(-rest // (ALIGN * world_size)) * ALIGN * world_size
+    rest = -(-rest // unit) * unit
     buckets = [bucket] * full + ([rest] if rest else [])
     shards = [b // world_size for b in buckets]
     sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu, out_direct=cpu and world_size == 1 and half)
+                        pinned=not cpu, out_direct=cpu and world_size == 1 and half,
+                        moment_dtype=moment_dtype)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
                   untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
@@ -234,22 +239,23 @@ def _activations(info: dict, batch: int | None, seq: int | None, precision: str)
 
 
 def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
-                   numel: int = 4 * 2**20) -> float:
-    """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master and moments, the
-    gradient and weight output in the compute dtype), timed for about ``seconds``."""
+                   numel: int = 4 * 2**20, moment_dtype: str = "fp32") -> float:
+    """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master, moments in
+    ``moment_dtype``, the gradient and weight output in the compute dtype), timed for about
+    ``seconds``."""
     import torch
 
     from lightning_zero_offload.core.config import PRECISIONS
-    from lightning_zero_offload.ops import fused_adamw_
+    from lightning_zero_offload.ops import Moments, fused_adamw_
 
     dtype = PRECISIONS[precision]
     half = dtype != torch.float32
-    p, m, v = torch.randn(numel), torch.zeros(numel), torch.zeros(numel)
+    p, mom = torch.randn(numel), Moments.zeros(numel, moment_dtype)
     g = torch.randn(numel).to(dtype)
     out = torch.empty(numel, dtype=dtype) if half else None
     def run(step: int) -> None:
-        fused_adamw_(p, g, m, v, step=step, lr=1e-4, weight_decay=0.01, out=out,
-                     num_threads=threads)
+        fused_adamw_(p, g, step=step, lr=1e-4, weight_decay=0.01, out=out,
+                     num_threads=threads, **mom.kernel_args())
 
     run(1)  # build/load the kernel and touch every page
     steps, start = 0, time.perf_counter()
@@ -267,17 +273,21 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          host_memory: int | str | None = None, batch_size: int | None = None,
          seq_len: int | None = None, bucket_size_mb: float = 25.0, delayed_update: bool = False,
          frozen_params: int | float | str = 0, measure: bool = True,
-         cpu_threads: int | None = None) -> Plan:
+         cpu_threads: int | None = None, moment_dtype: str = "fp32") -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the module docstring for every term. ``host_memory`` is the
     machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``).
-    ``frozen_params`` of the total do not train (e.g. a LoRA base model)."""
+    ``frozen_params`` of the total do not train (e.g. a LoRA base model). ``moment_dtype`` is
+    ``ZeroOffloadConfig.moment_dtype`` (``"fp32"``, ``"bf16"`` or ``"int8"``)."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
     if precision not in _ELEM:
         raise ValueError(f"plan: precision={precision!r} is not supported; use one of "
                          f"{', '.join(map(repr, _ELEM))}")
+    if moment_dtype not in ("fp32", "bf16", "int8"):
+        raise ValueError(f"plan: moment_dtype={moment_dtype!r} is not supported; use one of "
+                         "'fp32', 'bf16', 'int8'")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"plan: device must be 'cuda' or 'cpu', got {device!r}")
     for name, val in (("world_size", world_size), ("ranks_per_node", ranks_per_node),
@@ -305,7 +315,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
 
     def sizes(n_trained: int, n_frozen: int) -> tuple[dict, dict, int]:
         return _counts(n_trained, n_frozen, precision, world_size, device, bucket,
-                       delayed_update, acts)
+                       delayed_update, acts, moment_dtype)
 
     dev, host, accum = sizes(trained, frozen)
     dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
@@ -346,7 +356,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
         from lightning_zero_offload.core.delayed import default_threads
 
         threads = threads or default_threads(world_size, torch.device(device), delayed_update)
-        rate = measure_kernel(precision, threads)
+        rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
         seconds = -(-trained // world_size) / rate
         notes.append("the CPU step prediction assumes this host trains the run, each rank with "
                      f"{threads} threads; a shared or busy machine measures slower")
@@ -374,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, help="for the activation estimate")
     p.add_argument("--bucket-size-mb", type=float, default=25.0)
     p.add_argument("--delayed-update", action="store_true")
+    p.add_argument("--moment-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
+                   help="how the host keeps the Adam moments (ZeroOffloadConfig.moment_dtype)")
     p.add_argument("--frozen-params", default="0", help="parameters that do not train")
     p.add_argument("--no-measure", action="store_true", help="skip the 0.2 s kernel timing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -384,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                       device_memory=a.device_memory, host_memory=a.host_memory,
                       batch_size=a.batch_size, seq_len=a.seq_len, bucket_size_mb=a.bucket_size_mb,
                       delayed_update=a.delayed_update, frozen_params=a.frozen_params,
-                      measure=not a.no_measure)
+                      measure=not a.no_measure, moment_dtype=a.moment_dtype)
     except (ValueError, OSError, ImportError) as e:
         p.error(str(e))
     print(json.dumps(result.to_dict()) if a.json else result)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_zero_offload import ops
 from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core import state as ckpt
 from lightning_zero_offload.core.host import HostBuffers
@@ -44,9 +45,10 @@ class EngineState:
         return {
             "format": ckpt.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             "precision": self.precision, "layout": self.layout.describe(),
+            "moment_dtype": self.host.moment_dtype,
             "groups": [
                 {"step": self.stepper.steps[g], "master": self.host.master[g],
-                 "exp_avg": self.host.exp_avg[g], "exp_avg_sq": self.host.exp_avg_sq[g]}
+                 **ckpt.moments_fields(self.host.moments[g])}
                 for g in range(len(self.group_sizes))
             ],
             "param_groups": [ckpt.group_hparams(g) for g in self.param_groups],
@@ -54,16 +56,45 @@ class EngineState:
         }
 
     def load_shard(self, state: dict) -> None:
+        if self._converts_layout(state):
+            self._load_converted(state)
+            return
         checks.check_shard(state, self)
+        md = self.host.moment_dtype
         with torch.no_grad():
             for g, saved in enumerate(state["groups"]):
                 self.host.master[g].copy_(saved["master"])
-                self.host.exp_avg[g].copy_(saved["exp_avg"])
-                self.host.exp_avg_sq[g].copy_(saved["exp_avg_sq"])
+                mine, theirs = self.host.moments[g], ckpt.group_moments(state, g)
+                if theirs.moment_dtype == md:
+                    mine.copy_(theirs)
+                else:  # same layout, other format: convert bucket shard by bucket shard
+                    for bucket in self.layout.buckets:
+                        if bucket.group == g:
+                            a, k = bucket.host_offset, bucket.shard
+                            m32, v32 = theirs.chunk(a, k).to_fp32()
+                            mine.chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
                 self.stepper.steps[g] = int(saved["step"])
         for group, hp in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(hp)
         self._load_scaler(state)
+
+    def _converts_layout(self, state: object) -> bool:
+        """A one-rank shard of another ``moment_dtype`` whose layout differs only because of it
+        (8-bit moments pad buckets to whole blocks): loaded through the consolidated form."""
+        return (isinstance(state, dict) and state.get("format") in ckpt.SHARD_FORMATS
+                and self.world_size == 1 and state.get("world_size") == 1
+                and ckpt.shard_moment_dtype(state) != self.host.moment_dtype
+                and state.get("layout") != self.layout.describe())
+
+    def _load_converted(self, state: dict) -> None:
+        names = self.module.state_dict(keep_vars=True)
+        numels = [ckpt.shard_numel(state["layout"], g) for g in range(len(state["groups"]))]
+        ckpt.check_shard_groups(state, numels, "ZeroOffload.load_state_dict")
+        full = ckpt.consolidate([state])
+        trained, untrained = self.weights.trained, self.untrained()
+        model = {k: full["model"][trained[id(v)]] if id(v) in trained else untrained[k]
+                 for k, v in names.items()}
+        self.load_full({**full, "model": model, "scaler": state.get("scaler")})
 
     def _load_scaler(self, state: dict) -> None:
         if self.stepper.scaler is not None and state.get("scaler"):
@@ -86,6 +117,19 @@ class EngineState:
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
+    def moments_fp32(self) -> tuple[list[Tensor], list[Tensor]]:
+        """This rank's moments per group in fp32 (the host's own tensors for fp32 moments;
+        compact ones dequantized bucket shard by bucket shard, never a whole group at once)."""
+        if self.host.moment_dtype == "fp32":
+            return self.host.exp_avg, self.host.exp_avg_sq
+        m32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
+        v32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
+        for bucket in self.layout.buckets:
+            g, a, k = bucket.group, bucket.host_offset, bucket.shard
+            m, v = self.host.moments[g].chunk(a, k).to_fp32()
+            m32[g][a : a + k], v32[g][a : a + k] = m, v
+        return m32, v32
+
     def untrained(self) -> dict[str, Tensor]:
         """Buffers and frozen parameters, on the host; frozen ones exact."""
         frozen, trained = self.weights.frozen, self.weights.trained
@@ -102,8 +146,10 @@ class EngineState:
 
     def full(self, *, model: bool, optimizer: bool) -> dict:
         """Collective. See ``ZeroOffload.full_state_dict``."""
-        keys = ("master",) * model + ("exp_avg", "exp_avg_sq") * optimizer
-        flats = {k: self.gather_full(getattr(self.host, k)) for k in keys}
+        flats = {"master": self.gather_full(self.host.master)} if model else {}
+        if optimizer:
+            m32, v32 = self.moments_fp32()
+            flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
         hparams = [ckpt.group_hparams(g) for g in self.param_groups]
         out = ckpt.assemble(self.layout.describe(), flats, list(self.stepper.steps), hparams)
         full: dict[str, Any] = {"format": ckpt.FULL_FORMAT}
@@ -130,13 +176,22 @@ class EngineState:
                 steps = [int(states[s.index]["step"]) for s in self.layout.slots
                          if s.group == g and s.index in states]
                 self.stepper.steps[g] = max(steps, default=0)
-            host = self.host
-            for slot, lo, hi, at in shard_pieces(self.layout, self.rank):
-                sl = slice(at, at + hi - lo)
-                host.master[slot.group][sl] = model[slot.name].reshape(-1)[lo:hi]
-                st = states.get(slot.index)
-                for buf, key in ((host.exp_avg, "exp_avg"), (host.exp_avg_sq, "exp_avg_sq")):
-                    buf[slot.group][sl] = st[key].reshape(-1)[lo:hi] if st else 0.0
+            host, md = self.host, self.host.moment_dtype
+            pieces: dict[int, list] = {}
+            for piece in shard_pieces(self.layout, self.rank):
+                pieces.setdefault(piece[0].bucket, []).append(piece)
+            for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
+                g, a, k = bucket.group, bucket.host_offset, bucket.shard
+                m32, v32 = torch.zeros(k), torch.zeros(k)
+                for slot, lo, hi, at in pieces.get(b, []):
+                    sl = slice(at - a, at - a + hi - lo)
+                    host.master[g][at : at + hi - lo] = model[slot.name].reshape(-1)[lo:hi]
+                    st = states.get(slot.index)
+                    if st:
+                        m32[sl] = st["exp_avg"].reshape(-1)[lo:hi]
+                        v32[sl] = st["exp_avg_sq"].reshape(-1)[lo:hi]
+                # int8: rounded to nearest (the stochastic rounding is the kernel's, per step)
+                host.moments[g].chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):
                 group.update(ckpt.group_hparams(saved))
@@ -211,8 +266,14 @@ class EngineState:
         ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
                                       for k, v in names.items()})
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
-            checks.check_shard(shards[0], self)
-            return "shard", shards[0]
+            if shards[0]["layout"] == self.layout.describe():
+                checks.check_shard(shards[0], self)
+                return "shard", shards[0]
+            # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets
+            # to whole blocks): through the consolidated form, which needs every shard.
+            shards = ckpt.read_shards(path, -1, 0)
+            ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
+                                          for k, v in names.items()})
         full = ckpt.consolidate(shards)
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else
                  shards[0]["module_extra"][k] for k, v in names.items()}

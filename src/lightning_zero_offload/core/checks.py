@@ -183,9 +183,9 @@ def collective_device(group: Any, device: torch.device) -> torch.device:
 
 
 def check_shard(state: Any, engine: EngineState) -> None:
-    from lightning_zero_offload.core.state import SHARD_FORMAT, CheckpointError
+    from lightning_zero_offload.core.state import SHARD_FORMATS, CheckpointError, check_shard_groups
 
-    if not isinstance(state, dict) or state.get("format") != SHARD_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in SHARD_FORMATS:
         raise CheckpointError(
             "ZeroOffload.load_state_dict: not a ZeroOffload shard (expected the dict returned by "
             "ZeroOffload.state_dict(); for the consolidated form use load_full_state_dict)"
@@ -197,15 +197,18 @@ def check_shard(state: Any, engine: EngineState) -> None:
             "load_checkpoint or full_state_dict/load_full_state_dict to change world size"
         )
     if state["layout"] != engine.layout.describe():
+        from lightning_zero_offload.core.state import shard_moment_dtype
+
+        saved = shard_moment_dtype(state)
+        why = (f" (or its moment_dtype={saved!r}: int8 moments pad buckets to whole 256-element "
+               "blocks, so the layout differs)" if saved != engine.host.moment_dtype else "")
         raise CheckpointError(
             "ZeroOffload.load_state_dict: the shard was written for a different model, optimizer "
-            "grouping or bucket size; load it through full_state_dict/load_full_state_dict"
+            f"grouping or bucket size{why}; load it through save_checkpoint/load_checkpoint or "
+            "full_state_dict/load_full_state_dict"
         )
-    for g, saved in enumerate(state["groups"]):
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            if saved[key].numel() != engine.layout.group_shard_numel[g]:
-                raise CheckpointError(f"ZeroOffload.load_state_dict: group {g} {key} has the "
-                                      "wrong size (corrupt shard?)")
+    check_shard_groups(state, list(engine.layout.group_shard_numel),
+                       "ZeroOffload.load_state_dict")
 
 
 def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero_offload.core.delayed import check_cores
+from lightning_zero_offload.ops.moments import MOMENT_DTYPES
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DEFAULT_PRECISION = "bf16-mixed"  # of the plain engine, where no framework chooses one
@@ -18,8 +19,14 @@ DEFAULT_PRECISION = "bf16-mixed"  # of the plain engine, where no framework choo
 class ZeroOffloadConfig:
     """Options of :class:`~lightning_zero_offload.ZeroOffload`.
 
-    ``precision`` is the dtype of the weights on the device (the master weights, moments and
-    gradients on the host are always fp32). ``bucket_size_mb`` bounds the device bytes of one
+    ``precision`` is the dtype of the weights on the device (the master weights and gradients on
+    the host are always fp32). ``moment_dtype`` is how the host keeps both Adam moments:
+    ``"fp32"`` (exact ``torch.optim.AdamW``, 8 bytes per parameter), ``"bf16"`` (4 bytes) or
+    ``"int8"`` (block-wise 8-bit codes with one fp32 scale per 256 elements and moment, about
+    2.03 bytes; Dettmers et al., ICLR 2022; see ``lightning_zero_offload.ops.moments``). Compact
+    moments are written with stochastic rounding from ``moment_seed`` (so a run is repeatable,
+    and each element's rounding does not depend on threads, ranks' count or chunking).
+    ``bucket_size_mb`` bounds the device bytes of one
     gradient bucket (in the compute dtype): smaller buckets start transfers earlier, larger ones
     make fewer collective calls. ``cpu_threads=None`` uses the cores available to this process
     divided by the ranks on this node (not ``torch.get_num_threads()``, which torchrun sets to 1),
@@ -58,6 +65,8 @@ class ZeroOffloadConfig:
     loss_scale_growth_interval: int = 2000
     check_host_memory: bool = True
     collective_timeout_s: float = 300.0
+    moment_dtype: str = "fp32"
+    moment_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -105,6 +114,12 @@ class ZeroOffloadConfig:
         if number("loss_scale_growth_interval", integer=True) and (
                 self.loss_scale_growth_interval < 1):
             fail("loss_scale_growth_interval", "an int >= 1", ValueError)
+        if not isinstance(self.moment_dtype, str):
+            fail("moment_dtype", "a string")
+        if self.moment_dtype not in MOMENT_DTYPES:
+            fail("moment_dtype", f"one of {', '.join(map(repr, MOMENT_DTYPES))}", ValueError)
+        if number("moment_seed", integer=True) and not 0 <= self.moment_seed < 2**63:
+            fail("moment_seed", "an int in [0, 2**63)", ValueError)
         if number("collective_timeout_s") and not 0 < self.collective_timeout_s < math.inf:
             fail("collective_timeout_s", "a finite number of seconds > 0", ValueError)
 

@@ -26,7 +26,7 @@ from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, default_threads
 from lightning_zero_offload.core.device import make_device
 from lightning_zero_offload.core.host import HostBuffers, budget
-from lightning_zero_offload.core.layout import build_layout, shard_pieces
+from lightning_zero_offload.core.layout import build_layout, shard_align, shard_pieces
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
@@ -69,7 +69,8 @@ class ZeroOffload:
         self._num_module_params = len(list(module.parameters()))
         elem = torch.empty((), dtype=dtype).element_size()
         self.layout = build_layout(self._groups, trainable, order, names, self.world_size,
-                                   max(1, int(config.bucket_size_mb * 2**20 / elem)))
+                                   max(1, int(config.bucket_size_mb * 2**20 / elem)),
+                                   shard_align(config.moment_dtype))
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
@@ -81,7 +82,8 @@ class ZeroOffload:
         delayed, half = config.delayed_update, dtype != torch.float32
         out_direct = not dev.asynchronous and self.world_size == 1 and half
         self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
-                                        delayed=delayed, pinned=pinned, out_direct=out_direct)
+                                        delayed=delayed, pinned=pinned, out_direct=out_direct,
+                                        moment_dtype=config.moment_dtype, rank=self.rank)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         # On the CPU the bucket buffers are host memory too (a few at once, as on a GPU).
         sizes = budget(host.sizes, sum(layout.group_numel),

@@ -1,7 +1,9 @@
 """The host buffers of this rank's shard and their sizing: one owner, one budget.
 
-Per optimizer group, over this rank's shard: the fp32 master weights and Adam moments, and the
-fp32 gradient. Per bucket: the gradient staging slice (compute dtype; the device-to-host copies
+Per optimizer group, over this rank's shard: the fp32 master weights, the Adam moments (an
+``ops.Moments`` in the config's ``moment_dtype``: fp32, bf16, or 8-bit codes plus per-block
+scales) and the fp32 gradient. Per bucket: the gradient staging slice (compute dtype; the device-
+to-host copies
 land there on an asynchronous device) and the output slice (the kernel's half-precision weights,
 the source of the host-to-device copies). With delayed update a second gradient set (fp32
 gradient and staging) receives the next backward while the step reads the first.
@@ -17,12 +19,14 @@ a step accumulates several flushes of a bucket; it is budgeted anyway and alloca
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
 _SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
 _MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)
@@ -74,21 +78,24 @@ class Sizes:
 
 
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
-         pinned: bool, out_direct: bool) -> Sizes:
+         pinned: bool, out_direct: bool, moment_dtype: str = "fp32") -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring)."""
     return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
-                       out_direct=out_direct)
+                       out_direct=out_direct, moment_dtype=moment_dtype)
 
 
 def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
-                asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool) -> Sizes:
+                asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool,
+                moment_dtype: str = "fp32") -> Sizes:
     """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
-    this rank's elements per group and per bucket."""
+    this rank's elements per group and per bucket. ``"moments"`` is both moments with their
+    scales, exactly as ``ops.Moments.zeros`` allocates them per group."""
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     half = dtype != torch.float32
     sets = 2 if delayed else 1
-    parts = {"master": 4 * n, "exp_avg": 4 * n, "exp_avg_sq": 4 * n, "grad_fp32": 4 * n * sets}
+    parts = {"master": 4 * n, "moments": sum(moment_bytes(k, moment_dtype) for k in group_shards),
+             "grad_fp32": 4 * n * sets}
     if pinned and not half:  # "32-true" on CUDA: the master is the copies' pinned source
         parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
     shard_bytes = [k * elem for k in bucket_shards]
@@ -183,15 +190,20 @@ class HostBuffers:
     """This rank's host state; the only place that allocates host buffers of the shard's size."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
-                 delayed: bool, pinned: bool, out_direct: bool) -> None:
-        self.layout = layout
+                 delayed: bool, pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
+                 rank: int = 0) -> None:
+        self.layout, self.moment_dtype = layout, moment_dtype
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
-                          pinned=pinned, out_direct=out_direct)
+                          pinned=pinned, out_direct=out_direct, moment_dtype=moment_dtype)
         self.master = [torch.zeros(k, pin_memory=pinned and not half) for k in n]
-        self.exp_avg = [torch.zeros(k) for k in n]
-        self.exp_avg_sq = [torch.zeros(k) for k in n]
+        self.moments = [Moments.zeros(k, moment_dtype) for k in n]
+        # Each element draws its stochastic rounding from its place in the whole model (groups
+        # back to back), not in this rank's shard: ranks do not round alike, and a layout that
+        # is the same at another world size rounds the same.
+        self._base = [sum(layout.group_numel[:g]) for g in range(len(n))]
+        self.rank = rank
         # On the CPU the fp32 gradient is where buckets land, so it always exists.
         self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned,
                                       fp32_now=not asynchronous)
@@ -201,12 +213,31 @@ class HostBuffers:
         self._out = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                      if half and not out_direct else None)
 
-    def state(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Bucket ``b``'s shard of the master weights and both moments."""
+    @property
+    def exp_avg(self) -> list[Tensor]:
+        """The fp32 first moments per group (``moment_dtype="fp32"`` only)."""
+        return [self._fp32(m).exp_avg for m in self.moments]
+
+    @property
+    def exp_avg_sq(self) -> list[Tensor]:
+        """The fp32 second moments per group (``moment_dtype="fp32"`` only)."""
+        return [self._fp32(m).exp_avg_sq for m in self.moments]
+
+    @staticmethod
+    def _fp32(m: Moments) -> Moments:
+        if m.moment_dtype != "fp32":
+            raise RuntimeError(f"the moments are {m.moment_dtype}; use HostBuffers.moments")
+        return m
+
+    def state(self, b: int) -> tuple[Tensor, Moments]:
+        """Bucket ``b``'s shard of the master weights and of the moments (block-aligned views:
+        the layout pads bucket shards to whole blocks for 8-bit moments)."""
         bucket = self.layout.buckets[b]
         sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
         g = bucket.group
-        return self.master[g][sl], self.exp_avg[g][sl], self.exp_avg_sq[g][sl]
+        mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
+        lo, _ = bucket.shard_range(self.rank)
+        return self.master[g][sl], dataclasses.replace(mom, offset=self._base[g] + lo)
 
     def out(self, b: int) -> Tensor | None:
         """Bucket ``b``'s half-precision output slice; None where the kernel writes no copy."""
@@ -229,12 +260,13 @@ class HostBuffers:
 
     def allocated_bytes(self) -> int:
         """Bytes of everything allocated so far (at most ``sizes.total``)."""
-        out = sum(t.numel() * 4 for t in (*self.master, *self.exp_avg, *self.exp_avg_sq))
+        out = sum(t.numel() * 4 for t in self.master)
+        out += sum(moment_bytes(m.numel, m.moment_dtype) for m in self.moments)
         out += sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
         return out + (self._out.nbytes if self._out is not None else 0)
 
     def free(self) -> None:
-        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        self.master, self.moments = [], []
         for s in (self.grads, self.spare):
             if s is not None:
                 s.fp32 = s.staging = s._arena = None

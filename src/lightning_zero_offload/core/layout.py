@@ -7,8 +7,10 @@ get one global order, the order in which their last parameter is expected to rec
 gradients are reduced bucket by bucket in exactly that order on every rank, which keeps collective
 calls matched even when ranks see different unused parameters.
 
-Every bucket is padded to a multiple of ``world_size * ALIGN`` elements and split into
-``world_size`` equal shards; rank r owns shard r of every bucket. A rank's host arrays for a
+Every bucket is padded to a multiple of ``world_size * shard_align`` elements (``ALIGN`` by
+default; ``ops.BLOCK`` for 8-bit moments, whose per-block scales need every shard and bucket
+shard to start on a block boundary) and split into ``world_size`` equal shards; rank r owns shard r
+of every bucket. A rank's host arrays for a
 group are its shards of that group's buckets, back to back.
 """
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from lightning_zero_offload.ops.moments import BLOCK
 
 ALIGN = 16  # elements; parameter and shard starts are multiples of this (64 B in fp32)
 
@@ -44,7 +48,7 @@ class Slot:
 class Bucket:
     group: int
     start: int  # offset in the group's flat buffer
-    numel: int  # padded; divisible by world_size * ALIGN
+    numel: int  # padded; divisible by world_size * shard_align
     shard: int  # numel // world_size
     host_offset: int  # offset of this rank's shard in the group's host arrays
     slots: list[int] = field(default_factory=list)
@@ -104,12 +108,17 @@ def build_layout(
     names: dict[int, str],
     world_size: int,
     bucket_numel: int,
+    shard_align: int = ALIGN,
 ) -> Layout:
     """Lay out the trainable parameters of ``groups``.
 
     ``order`` maps ``id(param)`` to its registration position in the module; ``trainable`` marks
     the parameters the engine manages (the others keep their torch index but get no slot).
+    ``shard_align`` (a multiple of ``ALIGN``): every bucket shard's size, so every shard start,
+    is a multiple of it.
     """
+    if shard_align < ALIGN or shard_align % ALIGN:
+        raise ValueError(f"build_layout: shard_align={shard_align} must be a multiple of {ALIGN}")
     slots: list[Slot] = []
     per_group: list[list[Slot]] = []
     index = 0
@@ -152,10 +161,16 @@ def build_layout(
             s.offset = offset
             s.bucket = len(buckets)
             offset += _round_up(s.numel, ALIGN)
-        numel = _round_up(offset - start, world_size * ALIGN)
+        numel = _round_up(offset - start, world_size * shard_align)
         bucket = Bucket(g, start, numel, numel // world_size, group_shard[g])
         bucket.slots = [slot_pos[id(s)] for s in members]
         buckets.append(bucket)
         group_numel[g] += numel
         group_shard[g] += bucket.shard
     return Layout(slots, buckets, group_numel, group_shard, world_size, [len(p) for p in groups])
+
+
+def shard_align(moment_dtype: str) -> int:
+    """The bucket-shard alignment a moment format needs: ``ops.BLOCK`` for ``"int8"`` (its
+    kernel calls start on block boundaries), else ``ALIGN``."""
+    return BLOCK if moment_dtype == "int8" else ALIGN

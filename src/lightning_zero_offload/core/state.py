@@ -1,7 +1,9 @@
 """Checkpoint formats and files: per-rank shards, the consolidated (torch AdamW) form, atomic I/O.
 
-A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and moments per group,
-step counts, hyperparameters, the loss scaler and the layout that produced it. The layout lets
+A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its moments per group
+as the engine holds them (``"moment_dtype"``: fp32, bf16, or 8-bit codes with their per-block
+``exp_avg_scales``/``exp_avg_sq_scales``; format ``/1`` shards are fp32), step counts,
+hyperparameters, the loss scaler and the layout that produced it. The layout lets
 :func:`consolidate` rebuild the full, world-size-independent form from all shards: a fp32 model
 state_dict plus a ``torch.optim.AdamW``-format optimizer state_dict.
 
@@ -35,8 +37,12 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.collectives import capture
+from lightning_zero_offload.ops.moments import MOMENT_DTYPES, Moments, num_blocks
 
-SHARD_FORMAT = "lightning_zero_offload.shard/1"
+MOMENT_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+SHARD_FORMAT = "lightning_zero_offload.shard/2"  # /2: compact moments ("moment_dtype")
+SHARD_FORMATS = ("lightning_zero_offload.shard/1", SHARD_FORMAT)  # what loads read
 FULL_FORMAT = "lightning_zero_offload.full/1"
 DIR_FORMAT = "lightning_zero_offload.dir/1"
 MANIFEST = "zero_offload.json"  # marks (and completes) a checkpoint folder of this library
@@ -49,6 +55,26 @@ class CheckpointError(ValueError):
 
 def group_hparams(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def shard_moment_dtype(shard: dict) -> str:
+    """The moment format of a shard (format ``/1`` shards hold fp32 moments)."""
+    return shard.get("moment_dtype", "fp32")
+
+
+def group_moments(shard: dict, g: int) -> Moments:
+    """Group ``g``'s saved moments as ``ops.Moments`` (views of the shard's tensors)."""
+    grp = shard["groups"][g]
+    return Moments(shard_moment_dtype(shard), grp["exp_avg"], grp["exp_avg_sq"],
+                   grp.get("exp_avg_scales"), grp.get("exp_avg_sq_scales"))
+
+
+def moments_fields(mom: Moments) -> dict[str, Tensor]:
+    """The tensors a shard group stores for ``mom`` (the inverse of :func:`group_moments`)."""
+    out = {"exp_avg": mom.exp_avg, "exp_avg_sq": mom.exp_avg_sq}
+    if mom.exp_avg_scales is not None and mom.exp_avg_sq_scales is not None:
+        out["exp_avg_scales"], out["exp_avg_sq_scales"] = mom.exp_avg_scales, mom.exp_avg_sq_scales
+    return out
 
 
 def consolidate(shards: list[dict]) -> dict:
@@ -71,10 +97,11 @@ def consolidate(shards: list[dict]) -> dict:
     for g, start, numel, host in desc["buckets"]:
         size = numel // world
         for r in range(world):
-            for k in keys:
-                flats[k][g][start + r * size : start + (r + 1) * size] = by_rank[r]["groups"][g][
-                    k
-                ][host : host + size]
+            sl = slice(start + r * size, start + (r + 1) * size)
+            flats["master"][g][sl] = by_rank[r]["groups"][g]["master"][host : host + size]
+            # Compact moments are dequantized bucket shard by bucket shard (block-aligned).
+            m, v = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
+            flats["exp_avg"][g][sl], flats["exp_avg_sq"][g][sl] = m, v
     steps = [int(grp["step"]) for grp in shards[0]["groups"]]
     return assemble(desc, flats, steps, shards[0]["param_groups"])
 
@@ -296,7 +323,7 @@ def safe_load(path: str | os.PathLike) -> dict:
     """A shard or consolidated file (:func:`load_file` plus the format marker check)."""
     path = Path(path)
     obj = _load_raw(path)
-    if not isinstance(obj, dict) or obj.get("format") not in (SHARD_FORMAT, FULL_FORMAT):
+    if not isinstance(obj, dict) or obj.get("format") not in (*SHARD_FORMATS, FULL_FORMAT):
         raise CheckpointError(
             f"{str(path)!r} is not a lightning_zero_offload checkpoint (no 'format' marker); "
             "for a plain model/optimizer state use ZeroOffload.load_full_state_dict"
@@ -419,7 +446,7 @@ def read_shard_dir(path: Path) -> list[dict]:
     return read_shards(resolve(path), -1, 0)
 
 
-def _shard_numel(desc: dict, group: int) -> int:
+def shard_numel(desc: dict, group: int) -> int:
     return sum(numel // desc["world_size"] for g, _, numel, _ in desc["buckets"] if g == group)
 
 
@@ -431,15 +458,34 @@ def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None,
     """
     first = shards[0]
     for s in shards:
-        if s.get("format") != SHARD_FORMAT or s["layout"] != first["layout"]:
+        if (s.get("format") not in SHARD_FORMATS or s["layout"] != first["layout"]
+                or shard_moment_dtype(s) != shard_moment_dtype(first)):
             raise CheckpointError("checkpoint shards come from different saves; use another "
                                   "checkpoint")
-        for g, grp in enumerate(s["groups"]):
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                if grp[key].numel() != _shard_numel(s["layout"], g):
-                    raise CheckpointError(f"shard of rank {s['rank']}: group {g} {key} has the "
-                                          "wrong size; use another checkpoint")
+        check_shard_groups(s, [shard_numel(s["layout"], g) for g in range(len(s["groups"]))],
+                           f"shard of rank {s['rank']}")
     _check_module(first, expected)
+
+
+def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
+    """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
+    dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
+    md = shard_moment_dtype(shard)
+    if md not in MOMENT_DTYPES:
+        raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
+    if len(shard["groups"]) != len(numels):
+        raise CheckpointError(f"{who}: {len(shard['groups'])} groups, expected {len(numels)}")
+    for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
+        want = {"master": (n, torch.float32), "exp_avg": (n, MOMENT_STORAGE[md]),
+                "exp_avg_sq": (n, MOMENT_STORAGE[md])}
+        if md == "int8":
+            want["exp_avg_scales"] = want["exp_avg_sq_scales"] = (num_blocks(n), torch.float32)
+        for key, (numel, dtype) in want.items():
+            t = grp.get(key)
+            if not isinstance(t, Tensor) or t.numel() != numel or t.dtype != dtype:
+                raise CheckpointError(
+                    f"{who}: group {g} {key} has the wrong size or dtype (expected {numel} "
+                    f"{dtype} for {md} moments; corrupt shard?); use another checkpoint")
 
 
 def _check_module(shard: dict, expected: Mapping[str, tuple[str | None, tuple]]) -> None:

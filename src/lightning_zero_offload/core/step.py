@@ -138,12 +138,12 @@ class Stepper:
             with self.profile.span("cpu_step", step):
                 for b, bucket in enumerate(self.layout.buckets):
                     hp = plan.hparams[bucket.group]
-                    master, exp_avg, exp_avg_sq = self.host.state(b)
+                    master, moments = self.host.state(b)
                     lo, hi = bucket.shard_range(self.rank)
                     out = target[bucket.group][lo:hi] if self.out_direct else self.host.out(b)
-                    fused_adamw_(master, sources[b], exp_avg, exp_avg_sq,
-                                 grad_scale=plan.grad_scale, out=out, num_threads=self.threads,
-                                 **hp)
+                    fused_adamw_(master, sources[b], grad_scale=plan.grad_scale, out=out,
+                                 num_threads=self.threads, seed=self.config.moment_seed,
+                                 **moments.kernel_args(), **hp)
                     if not self.out_direct:
                         weights.copy_shard(b, master if out is None else out, target)
                     if gather and self.world_size > 1:
