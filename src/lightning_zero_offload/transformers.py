@@ -192,7 +192,7 @@ class ZeroOffloadMixin(_TrainerBase):
         state_dict = engine.full_state_dict(optimizer=False)["model"]
         out = output_dir if output_dir is not None else self.args.output_dir
         self._save(out, state_dict=state_dict)
-        if self.args.should_save:
+        if self.args.should_save and out is not None:
             _record_fp32(out)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

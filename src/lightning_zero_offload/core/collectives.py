@@ -40,7 +40,7 @@ def engine_group(group: Any, timeout_s: float | None) -> Any:
     return dist.new_group(timeout=timedelta(seconds=timeout_s), backend=dist.get_backend())
 
 
-def release_group(group: object | None, given: object | None) -> None:
+def release_group(group: Any, given: Any) -> None:
     """Destroy ``group`` if :func:`engine_group` or :func:`side_group` made it (not ``given``):
     a gloo group left to the interpreter's exit can abort the process."""
     if group is not None and group is not given and dist.is_initialized():
