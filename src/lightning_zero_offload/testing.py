@@ -23,6 +23,9 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     direction the slow one. Yields the list of emulated devices created (for inspection, e.g.
     ``peak_bytes``).
 
+    The environment variable ``LZO_EMULATED_DEVICE_SEED=N`` does the same for every CPU engine
+    of a process (e.g. a whole test run: ``LZO_EMULATED_DEVICE_SEED=1 pytest tests/``).
+
     What it cannot catch: the compute stream is the main thread itself, so a side stream that
     does not wait for the compute stream before reading what it wrote only fails on a GPU.
     """

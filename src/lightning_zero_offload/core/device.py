@@ -40,6 +40,7 @@ thread on that stream, in program order, as NCCL requires.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import random
 import threading
@@ -400,6 +401,9 @@ def make_device(device: torch.device, process_group: object | None,
     """The asynchrony implementation for an engine whose compute device is ``device``."""
     if device.type == "cuda":
         return CudaDevice(device, process_group)
+    seed = os.environ.get("LZO_EMULATED_DEVICE_SEED")
+    if _emulation is None and seed:  # a whole test suite on the emulated device
+        return EmulatedDevice(device, process_group, seed=int(seed), timeout_s=timeout_s)
     if _emulation is not None:
         emu = EmulatedDevice(device, process_group, seed=_emulation["seed"],
                              max_delay_ms=_emulation["max_delay_ms"], timeout_s=timeout_s,

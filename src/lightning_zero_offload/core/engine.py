@@ -63,7 +63,6 @@ class ZeroOffload:
         if owner is not None and not owner.torn_down:
             raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
                              "engine; teardown() that one first (or wrap a fresh model)")
-        _ENGINES[module] = weakref.ref(self)
         self.module, self.inner_optimizer = module, optimizer
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
@@ -74,6 +73,7 @@ class ZeroOffload:
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
+        _ENGINES[module] = weakref.ref(self)  # only once built: a failed setup owns nothing
 
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
                pinned: bool) -> None:
@@ -198,7 +198,11 @@ class ZeroOffload:
         (None when not needed). With delayed update past its warm-up the CPU step runs on the
         worker and lands at the next ``step()``."""
         try:
-            return self._step()
+            norm = self._step()
+            # What the caller runs next (reading a weight, say) is compute-stream work: on the
+            # emulated device, whose compute stream is this thread, it waits for the copies here.
+            self._dev.compute_point()
+            return norm
         except BaseException as e:
             if self.world_size > 1:  # peers stuck in a collective name this rank
                 collectives.report_failure(self.rank, e)
@@ -282,7 +286,7 @@ class ZeroOffload:
     @property
     def torn_down(self) -> bool:
         """Whether ``teardown()`` ran (only a kept state can still be read and saved)."""
-        return self._closed
+        return getattr(self, "_closed", True)
 
     @property
     def profile(self) -> list[StepProfile]:
@@ -324,6 +328,7 @@ class ZeroOffload:
         host = self._host
         self._weights.push([host.state(b)[0] for b in range(len(self.layout.buckets))],
                            self._gather)
+        self._dev.compute_point()
 
     def state_dict(self) -> dict:
         """Local. This rank's shard; its tensors are the live buffers (as torch's are)."""
