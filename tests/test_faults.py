@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core import CheckpointError
+from lightning_zero_offload.core import CheckpointError, files
 from lightning_zero_offload.core import state as ckpt
 
 TESTS = Path(__file__).parent
@@ -125,7 +125,7 @@ def test_truncated_file_is_refused(saved):
 def test_file_without_checksum_is_refused(saved):
     engine, _, tmp = saved
     obj = torch.load(tmp / "full.pt", weights_only=True)
-    del obj[ckpt.CHECKSUM_KEY]
+    del obj[files.CHECKSUM_KEY]
     torch.save(obj, tmp / "full.pt")
     with pytest.raises(CheckpointError, match="has no checksum"):
         engine.load_checkpoint(tmp / "full.pt")
@@ -235,7 +235,7 @@ def test_missing_shard_file_is_reported(saved):
 
 def test_folder_of_an_unfinished_save_is_not_a_checkpoint(saved):
     engine, _, tmp = saved
-    (tmp / "ckpt" / ckpt.MANIFEST).unlink()
+    (tmp / "ckpt" / files.MANIFEST).unlink()
     with pytest.raises(CheckpointError, match="zero_offload.json cannot be read.*did not finish"):
         engine.load_checkpoint(tmp / "ckpt")
 
@@ -352,7 +352,7 @@ import os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import test_faults as tf
-from lightning_zero_offload.core import state as ckpt
+from lightning_zero_offload.core import files
 
 path, point, flag = sys.argv[1], sys.argv[2], sys.argv[3]
 sharded = point != "file"
@@ -380,7 +380,7 @@ def rename(src, dst):
     if point == "rename":  # the old folder moved aside, the new one not yet in place
         pause()
     real_rename(src, dst)
-ckpt.torch.save, ckpt.os.rename = save, rename
+files.torch.save, files.os.rename = save, rename
 engine.save_checkpoint(path, sharded=sharded)
 """
 

@@ -2,6 +2,6 @@
 
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.engine import ZeroOffload
-from lightning_zero_offload.core.state import CheckpointError
+from lightning_zero_offload.core.files import CheckpointError
 
 __all__ = ["ZeroOffload", "ZeroOffloadConfig", "CheckpointError"]

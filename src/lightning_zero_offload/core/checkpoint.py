@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.core import checks, collectives
+from lightning_zero_offload.core import checks, collectives, files
 from lightning_zero_offload.core import state as ckpt
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
@@ -43,7 +43,7 @@ class EngineState:
     def shard(self) -> dict:
         scaler = self.stepper.scaler
         return {
-            "format": ckpt.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
+            "format": files.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             "precision": self.precision, "layout": self.layout.describe(),
             "moment_dtype": self.host.moment_dtype,
             "groups": [
@@ -81,7 +81,7 @@ class EngineState:
     def _converts_layout(self, state: object) -> bool:
         """A one-rank shard of another ``moment_dtype`` whose layout differs only because of it
         (8-bit moments pad buckets to whole blocks): loaded through the consolidated form."""
-        return (isinstance(state, dict) and state.get("format") in ckpt.SHARD_FORMATS
+        return (isinstance(state, dict) and state.get("format") in files.SHARD_FORMATS
                 and self.world_size == 1 and state.get("world_size") == 1
                 and ckpt.shard_moment_dtype(state) != self.host.moment_dtype
                 and state.get("layout") != self.layout.describe())
@@ -152,7 +152,7 @@ class EngineState:
             flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
         hparams = [ckpt.group_hparams(g) for g in self.param_groups]
         out = ckpt.assemble(self.layout.describe(), flats, list(self.stepper.steps), hparams)
-        full: dict[str, Any] = {"format": ckpt.FULL_FORMAT}
+        full: dict[str, Any] = {"format": files.FULL_FORMAT}
         trained = self.weights.trained
         if model:  # keyed like module.state_dict(): buffers and untrained tensors too
             untrained = self.untrained()
@@ -209,42 +209,42 @@ class EngineState:
              extra: dict[str, dict] | None = None) -> None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
         rank, and a failed save leaves nothing behind."""
-        path = ckpt.check_name(path)
+        path = files.check_name(path)
         on_zero = self.rank == 0
         if not sharded:
-            self._agree(collectives.capture(lambda: ckpt.check_file_target(path))
+            self._agree(collectives.capture(lambda: files.check_file_target(path))
                         if on_zero else None)
             full = self.full(model=True, optimizer=True)
-            self._agree(collectives.capture(lambda: ckpt.atomic_save(full, path))
+            self._agree(collectives.capture(lambda: files.atomic_save(full, path))
                         if on_zero else None)
             return
-        token, error = ckpt.begin_dir(path) if on_zero else ("", None)
+        token, error = files.begin_dir(path) if on_zero else ("", None)
         token = collectives.share_token(token, self.world_size, self.group, self._coll())
         if error is not None or not token:
-            raise error or ckpt.CheckpointError(
+            raise error or files.CheckpointError(
                 f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
-        tmp = ckpt.temp_path(path, "tmp", token)
+        tmp = files.temp_path(path, "tmp", token)
         try:
             shard = {**self.shard(), "module_extra": self.untrained()}
-            self._agree(collectives.capture(lambda: ckpt.atomic_save(
-                shard, tmp / ckpt.shard_name(self.rank, self.world_size))))
+            self._agree(collectives.capture(lambda: files.atomic_save(
+                shard, tmp / files.shard_name(self.rank, self.world_size))))
             self._agree(collectives.capture(lambda: self._publish(tmp, path, token, extra or {}))
                         if on_zero else None)
         finally:
             if on_zero:
-                ckpt.discard(tmp)  # left only if the save failed: nothing of it is kept
+                files.discard(tmp)  # left only if the save failed: nothing of it is kept
 
     def _publish(self, tmp: Path, path: Path, token: str, extra: dict[str, dict]) -> None:
         for name, obj in extra.items():
-            ckpt.atomic_save(obj, tmp / name)
-        ckpt.publish_dir(tmp, path, self.world_size, token)
+            files.atomic_save(obj, tmp / name)
+        files.publish_dir(tmp, path, self.world_size, token)
 
     def load(self, path: str | os.PathLike) -> None:
         """Collective. What ``save`` wrote, at this or any other world size: everything is read
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
         loaded: list[tuple[str, dict]] = []
-        self._agree(collectives.capture(lambda: loaded.append(self._read(ckpt.resolve(path)))))
+        self._agree(collectives.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
@@ -257,12 +257,12 @@ class EngineState:
     def _read(self, path: Path) -> tuple[str, dict]:
         """``("shard", this rank's shard)`` or ``("full", full state)``, validated."""
         if not path.is_dir():
-            full = ckpt.safe_load(path)
+            full = files.safe_load(path)
             checks.check_full(full, self)
             return "full", full
         trained = self.weights.trained
         names = self.module.state_dict(keep_vars=True)
-        shards = ckpt.read_shards(path, self.rank, self.world_size)
+        shards = files.read_shards(path, self.rank, self.world_size)
         ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
                                       for k, v in names.items()})
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
@@ -271,7 +271,7 @@ class EngineState:
                 return "shard", shards[0]
             # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets
             # to whole blocks): through the consolidated form, which needs every shard.
-            shards = ckpt.read_shards(path, -1, 0)
+            shards = files.read_shards(path, -1, 0)
             ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
                                           for k, v in names.items()})
         full = ckpt.consolidate(shards)

@@ -183,7 +183,8 @@ def collective_device(group: Any, device: torch.device) -> torch.device:
 
 
 def check_shard(state: Any, engine: EngineState) -> None:
-    from lightning_zero_offload.core.state import SHARD_FORMATS, CheckpointError, check_shard_groups
+    from lightning_zero_offload.core.files import SHARD_FORMATS, CheckpointError
+    from lightning_zero_offload.core.state import check_shard_groups
 
     if not isinstance(state, dict) or state.get("format") not in SHARD_FORMATS:
         raise CheckpointError(
@@ -212,7 +213,7 @@ def check_shard(state: Any, engine: EngineState) -> None:
 
 
 def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
-    from lightning_zero_offload.core.state import CheckpointError
+    from lightning_zero_offload.core.files import CheckpointError
 
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(

@@ -139,7 +139,7 @@ def agree(error: BaseException | None, world_size: int, group: Any,
           device: torch.device) -> None:
     """Collective: raise on every rank if ``error`` happened on any (this rank's own error as
     is), so that no rank goes on to change its state or waits for a failed peer."""
-    from lightning_zero_offload.core.state import CheckpointError
+    from lightning_zero_offload.core.files import CheckpointError
 
     if world_size > 1:
         flags = torch.zeros(world_size, device=device)

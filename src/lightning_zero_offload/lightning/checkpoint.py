@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning_zero_offload.core import files
 from lightning_zero_offload.core import state as engine_state
 
 if TYPE_CHECKING:
@@ -55,12 +56,12 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
 
 def _sharded_dir(path: object) -> Path | None:
     """The folder to read if ``path`` is a sharded checkpoint (or a save killed while replacing
-    one left the previous folder; see ``state.resolve``)."""
+    one left the previous folder; see ``files.resolve``)."""
     if not isinstance(path, (str, os.PathLike)) or str(path).startswith(("http:", "https:")):
         return None
     try:
-        folder = engine_state.resolve(path) if not Path(path).exists() else Path(path)
-    except engine_state.CheckpointError:
+        folder = files.resolve(path) if not Path(path).exists() else Path(path)
+    except files.CheckpointError:
         return None
     return folder if (folder / META).is_file() else None
 
@@ -83,7 +84,7 @@ def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH,
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
-    return engine_state.load_file(folder / META)  # weights only, checksum verified
+    return files.load_file(folder / META)  # weights only, checksum verified
 
 
 def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -91,7 +92,7 @@ def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str
     ``weights_only`` is ignored: the metadata is always loaded weights-only."""
     folder = _sharded_dir(path)
     if folder is None:
-        raise engine_state.CheckpointError(f"{path} is not a sharded zero_offload checkpoint "
+        raise files.CheckpointError(f"{path} is not a sharded zero_offload checkpoint "
                                            f"(no {META} in it)")
     meta = _read_meta(folder)
     meta.pop(_ALIASES, None)
@@ -114,7 +115,7 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     meta = _read_meta(folder)
     aliases = meta.pop(_ALIASES)
     path = folder
-    shards = engine_state.read_shard_dir(path)
+    shards = files.read_shard_dir(path)
     full = engine_state.consolidate(shards)
     extra = shards[0].get("module_extra", {})
     model = {
@@ -123,8 +124,8 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     }
     meta["state_dict"] = model
     meta["optimizer_states"] = [optimizer_entry({**full, "scaler": shards[0].get("scaler")})]
-    output = engine_state.check_name(output)
-    tmp = engine_state.temp_path(output, "tmp", engine_state.new_token())
+    output = files.check_name(output)
+    tmp = files.temp_path(output, "tmp", files.new_token())
     try:  # a plain Lightning file (no checksum entry), renamed into place when complete
         torch.save(meta, tmp)
         os.replace(tmp, output)
@@ -136,7 +137,7 @@ def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load)
     def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
         if is_sharded(path_or_url):
-            raise engine_state.CheckpointError(
+            raise files.CheckpointError(
                 f"{str(path_or_url)!r} is a sharded zero_offload checkpoint (a folder with one "
                 "file per rank), which load_from_checkpoint cannot read. Consolidate it first: "
                 "lightning_zero_offload.lightning.consolidate_checkpoint(folder, 'model.ckpt'), "
