@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from lightning_zero_offload.core.device import EmulatedDevice, emulate
+from lightning_zero_offload.core.device import emulate
+from lightning_zero_offload.core.emulated import EmulatedDevice
 
 __all__ = ["EmulatedDevice", "emulated_async_device"]
 

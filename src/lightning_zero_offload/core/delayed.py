@@ -74,13 +74,14 @@ class DelayedUpdate:
     (``join``, never a collective), landed by the next collective call (``land``: the gather of
     the other ranks' shards and the swap, done by ``land_fn``)."""
 
-    def __init__(self, worker: CpuStepWorker, profile: ProfileRecorder,
+    def __init__(self, worker: CpuStepWorker | None, profile: ProfileRecorder,
                  land_fn: Callable[[], None]) -> None:
         self.worker, self.profile, self._land_fn = worker, profile, land_fn
         self.pending: int | None = None
         self._joined = False
 
     def submit(self, step: int, fn: Callable[..., None], *args: object) -> None:
+        assert self.worker is not None, "delayed update without a worker"
         self.worker.submit(fn, *args)
         self.pending, self._joined = step, False
 
@@ -92,6 +93,7 @@ class DelayedUpdate:
         self._joined = True
         with self.profile.span("stall", k):
             try:
+                assert self.worker is not None
                 self.worker.wait()
             except Exception as e:
                 self.pending = None

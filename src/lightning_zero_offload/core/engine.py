@@ -16,6 +16,7 @@ import os
 import sys
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,14 +26,14 @@ from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, default_threads
 from lightning_zero_offload.core.device import make_device
-from lightning_zero_offload.core.host import HostBuffers, budget
-from lightning_zero_offload.core.layout import build_layout, shard_align, shard_pieces
+from lightning_zero_offload.core.host import HostBuffers, engine_budget, plan
+from lightning_zero_offload.core.layout import build_layout, shard_align
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
 from lightning_zero_offload.core.step import Stepper
-from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT, GradStreamer
-from lightning_zero_offload.core.weights import DeviceWeights, frozen_bytes, untrained_bytes
+from lightning_zero_offload.core.streaming import GradStreamer
+from lightning_zero_offload.core.weights import DeviceWeights
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -80,25 +81,18 @@ class ZeroOffload:
         config, layout = self.config, self.layout
         self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
         delayed, half = config.delayed_update, dtype != torch.float32
-        out_direct = not dev.asynchronous and self.world_size == 1 and half
-        self._host = host = HostBuffers(layout, dtype, asynchronous=dev.asynchronous,
-                                        delayed=delayed, pinned=pinned, out_direct=out_direct,
-                                        moment_dtype=config.moment_dtype, rank=self.rank)
+        kw: dict[str, Any] = dict(
+            asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
+            out_direct=not dev.asynchronous and self.world_size == 1 and half,
+            moment_dtype=config.moment_dtype)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        # On the CPU the bucket buffers are host memory too (a few at once, as on a GPU).
-        sizes = budget(host.sizes, sum(layout.group_numel),
-                       max((b.numel for b in layout.buckets), default=0), dtype,
-                       cpu=self.device.type == "cpu", delayed=delayed,
-                       frozen_bytes=frozen_bytes(module, trained, dtype),
-                       untrained_bytes=untrained_bytes(module, trained, dtype),
-                       buckets_in_flight=MAX_IN_FLIGHT + 1)
+        sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
+                              cpu=self.device.type == "cpu", delayed=delayed)
         self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
-        ranks.start(layout, module, self.process_group, self.device, lambda: (
+        ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
             check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
-        with torch.no_grad():  # the master weights, from the user's weights before casting
-            for slot, lo, hi, at in shard_pieces(layout, self.rank):
-                host.master[slot.group][at : at + hi - lo].copy_(
-                    slot.param.detach().reshape(-1)[lo:hi])
+        self._host = host = HostBuffers(layout, dtype, rank=self.rank, **kw)  # allocation
+        host.fill_master(layout, self.rank)  # from the user's weights, before they are cast
         self._profile = ProfileRecorder()
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)
@@ -117,10 +111,9 @@ class ZeroOffload:
         self._stepper = Stepper(layout, host, self._weights, self._streamer, config,
                                 decoupled=self.decoupled, rank=self.rank,
                                 process_group=self.process_group, threads=threads,
-                                out_direct=out_direct, profile=self._profile)
+                                out_direct=kw["out_direct"], profile=self._profile)
         self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
-        self._delayed = (DelayedUpdate(self._worker, self._profile, self._swap_in)
-                         if self._worker is not None else None)
+        self._delayed = DelayedUpdate(self._worker, self._profile, self._swap_in)
         self._calls = 0  # step() calls, the profile's step numbers
         self._no_sync = self._closed = self._readable = False
         self.optimizer = OffloadOptimizer(self, optimizer)
@@ -217,7 +210,7 @@ class ZeroOffload:
         self._timer.close(k)
         plan = self._stepper.decide(self.optimizer.param_groups, k)
         self._streamer.profile_step = k + 1
-        self._land_delayed()  # step k-1's update lands now, before step k+1's forward
+        self._delayed.land()  # step k-1's update lands now, before step k+1's forward
         run = self._stepper.run_kernel
         if plan is None:
             prof.close(k)
@@ -225,7 +218,7 @@ class ZeroOffload:
             sources = self._streamer.sources()
             self._host.swap()  # the worker reads these; the next backward fills the other set
             weights.begin_push()
-            assert self._delayed is not None and weights.spare is not None
+            assert weights.spare is not None
             self._delayed.submit(k, run, plan, sources, k, weights.spare, False)
         else:
             with prof.span("stall", k):
@@ -251,10 +244,6 @@ class ZeroOffload:
         self._weights.end_push()
         self._weights.swap()
 
-    def _land_delayed(self) -> None:
-        if self._delayed is not None:  # collective with several ranks
-            self._delayed.land()
-
     def zero_grad(self) -> None:
         self._check_open()
         self._streamer.reset()
@@ -269,17 +258,16 @@ class ZeroOffload:
         update too; with several they do after the next collective call (``step``,
         ``gather_weights``, ``full_state_dict``, ``save_checkpoint``, loads, ``teardown``)."""
         self._check_open()
-        if self._delayed is not None:
-            self._delayed.join()
+        self._delayed.join()
         if self.world_size == 1:
-            self._land_delayed()
+            self._delayed.land()  # collective with several ranks
         self._streamer.drain()
         self._dev.synchronize()
 
     def gather_weights(self) -> None:
         """Collective: the module's weights include every step (for validation on all ranks)."""
         self._check_open()
-        self._land_delayed()
+        self._delayed.land()  # collective with several ranks
         self._streamer.drain()
         self._dev.synchronize()
 
@@ -303,7 +291,6 @@ class ZeroOffload:
         enough for every step; on CUDA it may be the step before ``last_profile``)."""
         return (self._profile.finished() or [None])[-1]
 
-    # -- checks -------------------------------------------------------------------------------
     def _check_readable(self) -> bool:
         """Whether only the kept state is left (``teardown(keep_state=True)``)."""
         if self._closed and not self._readable:
@@ -338,7 +325,6 @@ class ZeroOffload:
 
     def load_state_dict(self, state: dict) -> None:
         """Collective. Resume from this rank's ``state_dict()`` (same world size and model)."""
-        self._check_open()
         self.gather_weights()
         self._state.load_shard(state)
         self._push_master()
@@ -354,7 +340,6 @@ class ZeroOffload:
     def load_full_state_dict(self, state: dict) -> None:
         """Collective. The consolidated form (any world size) or ``{"model": model.state_dict(),
         "optimizer": AdamW.state_dict()}``."""
-        self._check_open()
         self.gather_weights()
         self._state.load_full(state)
         self._push_master()
@@ -371,27 +356,16 @@ class ZeroOffload:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
-        self._check_open()
         self.gather_weights()
         self._state.load(path)
         self._push_master()
 
     # -- teardown -----------------------------------------------------------------------------
-    def _join_quietly(self, error: BaseException | None) -> None:
-        """Local waits only; while ``error`` propagates, a failed pending step is not raised."""
-        try:
-            self.synchronize()
-        except Exception:
-            if error is None:
-                raise
-
     def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False,
                  device: torch.device | str | None = None) -> None:
-        """Remove hooks and free buffers. ``copy_weights_to_module=True`` (collective) gives the
-        module ordinary fp32 master-weight parameters and its other tensors' original dtypes.
-        ``keep_state=True`` keeps the host state, so ``state_dict``, ``full_state_dict`` and
-        ``save_checkpoint`` still work (a framework's save after the end of training).
-        ``device``: where the restored parameters go (default: the compute device)."""
+        """Remove hooks, free buffers. ``copy_weights_to_module`` (collective): ordinary fp32
+        parameters (on ``device``, default the compute device), other tensors' dtypes restored.
+        ``keep_state``: ``state_dict``/``full_state_dict``/``save_checkpoint`` still work."""
         if self._closed:
             return
         error = sys.exc_info()[1]
@@ -400,10 +374,11 @@ class ZeroOffload:
             # may sit in another collective, so start none; they fail within the timeout.
             collectives.report_failure(self.rank, error)
             copy_weights_to_module = False
-        if copy_weights_to_module:
-            self.gather_weights()
-        else:
-            self._join_quietly(error)
+        try:
+            self.gather_weights() if copy_weights_to_module else self.synchronize()
+        except Exception:
+            if error is None:  # while an error propagates, a failed pending step is no news
+                raise
         if self._worker is not None:
             self._worker.close()
         self._streamer.remove()

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
 _SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
@@ -130,6 +130,19 @@ def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.
     return Sizes(parts)
 
 
+def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained: dict[int, str],
+                  dtype: torch.dtype, *, cpu: bool, delayed: bool) -> Sizes:
+    """:func:`budget` for an engine over ``module`` (``trained``: its managed parameters)."""
+    from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
+    from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
+
+    return budget(sizes, sum(layout.group_numel),
+                  max((b.numel for b in layout.buckets), default=0), dtype, cpu=cpu,
+                  delayed=delayed, frozen_bytes=frozen_bytes(module, trained, dtype),
+                  untrained_bytes=untrained_bytes(module, trained, dtype),
+                  buckets_in_flight=MAX_IN_FLIGHT + 1)  # on the CPU, host memory too
+
+
 class _Arena:
     """Per-bucket slices of a few large host blocks (pinned on CUDA)."""
 
@@ -228,6 +241,13 @@ class HostBuffers:
         if m.moment_dtype != "fp32":
             raise RuntimeError(f"the moments are {m.moment_dtype}; use HostBuffers.moments")
         return m
+
+    @torch.no_grad()
+    def fill_master(self, layout: Layout, rank: int) -> None:
+        """The master weights from the parameters (still the user's, before any cast)."""
+        for slot, lo, hi, at in shard_pieces(layout, rank):
+            self.master[slot.group][at : at + hi - lo].copy_(
+                slot.param.detach().reshape(-1)[lo:hi])
 
     def state(self, b: int) -> tuple[Tensor, Moments]:
         """Bucket ``b``'s shard of the master weights and of the moments (block-aligned views:
