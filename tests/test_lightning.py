@@ -605,3 +605,11 @@ def test_moment_dtype_kwarg_reaches_the_engine(tmp_path):
     assert model.shard["groups"][0]["exp_avg"].dtype == torch.uint8
     assert model.shard["groups"][0]["exp_avg_scales"].dtype == torch.float32
     assert_close(weights(model), weights(ref), rel=0.05)
+
+
+def test_strategy_reports_the_precision_in_use(tmp_path):
+    strategy = ZeroOffloadStrategy()
+    assert strategy.config.precision is None  # unset: the Trainer's
+    _, t = fit(Net, strategy, tmp_path, precision="32-true")
+    assert t.strategy.config.precision == "32-true"
+    assert t.strategy.finished_engine.config.precision == "32-true"

@@ -122,7 +122,8 @@ class EngineOwner:
             )
         optimizer = single_optimizer(optimizers)
         self.finished_engine = None  # a new run: the previous one's kept state goes
-        config = self.config.resolve_precision(precision, source=source)
+        # the strategy reports the precision in use (config.precision) from here on
+        self.config = config = self.config.resolve_precision(precision, source=source)
         process_group = dist.group.WORLD if _distributed_is_initialized() else None
         self.engine = ZeroOffload(module, optimizer, config, process_group=process_group,
                                   device=device)
