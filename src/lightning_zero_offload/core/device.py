@@ -7,11 +7,11 @@ this interface, which has three implementations:
   when recorded, waits do nothing. Released bucket buffers go to a small pool, so large buffers
   are not page-faulted in again every backward.
 - :class:`CudaDevice`: a line-by-line mapping onto ``torch.cuda.Stream``/``Event``.
-- :class:`EmulatedDevice`: for tests on the CPU (``lightning_zero_offload.testing.
-  emulated_async_device``). Each side stream is a worker thread running its queue in FIFO order,
-  each item after a seeded random delay; an event completes when its stream reaches it; released
-  buffers are filled with NaN before anyone can have them again, so reading one too early or too
-  late shows up in the result.
+- ``core.emulated.EmulatedDevice``: for tests on the CPU (``lightning_zero_offload.testing.
+  emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``). Each side stream is a worker
+  thread running its queue in FIFO order, each item after a seeded random delay; an event
+  completes when its stream reaches it; released buffers are filled with NaN before anyone can
+  have them again, so reading one too early or too late shows up in the result.
 
 The ordering rules the engine must follow, and which of them the emulation checks:
 
@@ -19,8 +19,9 @@ The ordering rules the engine must follow, and which of them the emulation check
    the event recorded after the write (:meth:`Event.wait`). Checked.
 2. Work the compute stream runs after a side stream's work it depends on (the next forward after
    the weights' host-to-device copies) is preceded by :meth:`compute_waits`. Checked: the
-   emulation blocks the main thread at the next :meth:`compute_point` (every forward) until the
-   stream has drained up to the wait, and not earlier, as a GPU's compute stream would.
+   emulation blocks the main thread at the next :meth:`compute_point` (every forward, and the
+   end of ``step()``) until the stream has drained up to the wait, and not earlier, as a GPU's
+   compute stream would.
 3. A side stream that reads what the compute stream wrote (a bucket after backward, weights that
    backward still reads) is preceded by :meth:`stream_waits_compute`. **Not checked**: the
    emulated compute stream is the main thread itself and is always finished when the host moves
