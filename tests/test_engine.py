@@ -319,38 +319,52 @@ def test_module_zero_grad_clears_the_engines_gradients():
     assert "zero_grad" not in model.__dict__
 
 
-def test_bad_inputs_raise_clear_errors():
+_STRANGER = nn.Parameter(torch.zeros(3))
+_SETUP_ERRORS = {  # name: (build the engine or config, error, message)
+    "sgd": (lambda m: ZeroOffload(m, torch.optim.SGD(m.parameters(), lr=0.1)), TypeError,
+            "AdamW and torch.optim.Adam"),
+    "amsgrad": (lambda m: ZeroOffload(m, torch.optim.AdamW(m.parameters(), amsgrad=True)),
+                ValueError, "amsgrad"),
+    "maximize": (lambda m: ZeroOffload(m, torch.optim.Adam(m.parameters(), maximize=True)),
+                 ValueError, "maximize"),
+    "stranger": (lambda m: ZeroOffload(m, torch.optim.AdamW([*m.parameters(), _STRANGER])),
+                 ValueError, "not a parameter of the module"),
+    "sparse": (lambda m: ZeroOffload(s := nn.Embedding(4, 4, sparse=True),
+                                     torch.optim.Adam(s.parameters())), ValueError, "sparse"),
+    "precision": (lambda m: ZeroOffload(m, torch.optim.AdamW(m.parameters()),
+                                        precision="bf16-true"), ValueError, "precision"),
+    "typo": (lambda m: ZeroOffload(m, torch.optim.AdamW(m.parameters()), max_grad_nrom=1.0),
+             TypeError, "unknown option"),
+    "max_grad_norm": (lambda m: ZeroOffloadConfig(max_grad_norm=-1.0), ValueError,
+                      "max_grad_norm"),
+    "bucket_size_mb": (lambda m: ZeroOffloadConfig(bucket_size_mb=0), ValueError,
+                       "bucket_size_mb"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SETUP_ERRORS))
+def test_bad_setup_inputs_raise_clear_errors(case):
+    build, error, match = _SETUP_ERRORS[case]
+    with pytest.raises(error, match=match):
+        build(make())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
+def test_cuda_options_without_cuda_raise():
+    with pytest.raises(ValueError, match="pin_memory"):
+        ZeroOffloadConfig(pin_memory=True)
     model = make()
-    with pytest.raises(TypeError, match="AdamW and torch.optim.Adam"):
-        ZeroOffload(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="amsgrad"):
-        ZeroOffload(model, torch.optim.AdamW(model.parameters(), amsgrad=True))
-    with pytest.raises(ValueError, match="maximize"):
-        ZeroOffload(model, torch.optim.Adam(model.parameters(), maximize=True))
-    stranger = nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match="not a parameter of the module"):
-        ZeroOffload(model, torch.optim.AdamW([*model.parameters(), stranger]))
-    sparse = nn.Embedding(4, 4, sparse=True)
-    with pytest.raises(ValueError, match="sparse"):
-        ZeroOffload(sparse, torch.optim.Adam(sparse.parameters()))
-    with pytest.raises(ValueError, match="precision"):
-        ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="bf16-true")
-    with pytest.raises(TypeError, match="unknown option"):
-        ZeroOffload(model, torch.optim.AdamW(model.parameters()), max_grad_nrom=1.0)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        ZeroOffloadConfig(max_grad_norm=-1.0)
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        ZeroOffloadConfig(bucket_size_mb=0)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="pin_memory"):
-            ZeroOffloadConfig(pin_memory=True)
-        with pytest.raises(ValueError, match="CUDA"):
-            ZeroOffload(model, torch.optim.AdamW(model.parameters()), device="cuda")
+    with pytest.raises(ValueError, match="CUDA"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), device="cuda")
+
+
+def test_bad_uses_of_a_built_engine_raise_clear_errors():
+    model = make()
     engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(TypeError, match="already belongs"):
         ZeroOffload(model, engine.optimizer)
     with pytest.raises(RuntimeError, match="cannot be added"):
-        engine.optimizer.add_param_group({"params": [stranger]})
+        engine.optimizer.add_param_group({"params": [_STRANGER]})
     with pytest.raises(ValueError, match="not a ZeroOffload shard"):
         engine.load_state_dict({"foo": 1})
     with pytest.raises(ValueError, match="model keys"):
