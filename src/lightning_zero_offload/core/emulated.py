@@ -85,8 +85,8 @@ class _EmuStream:
     def wait_for(self, index: int) -> None:
         with self._cv:
             self._cv.wait_for(lambda: self.done >= index)
-        if self.error is not None:
-            raise RuntimeError(f"emulated device stream failed: {self.error!r}") from self.error
+        if self.error is not None:  # as is: on CUDA the caller's thread would have raised it
+            raise self.error
 
     def close(self) -> None:
         self._q.put((None, 0.0))
