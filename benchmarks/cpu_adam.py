@@ -190,6 +190,18 @@ def bnb_adamw8bit() -> type | None:
     return bnb.optim.AdamW8bit
 
 
+
+def _torch_optimizer_step(cls: type, p: torch.Tensor, grad: torch.Tensor):
+    """One step of a peer's torch.optim-style optimizer over a copy of ``p``."""
+    param = torch.nn.Parameter(p.clone())
+    opt = cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+
+    def step() -> None:
+        param.grad = grad
+        opt.step()
+    return step
+
+
 def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type | None,
                   bnb_cls: type | None = None) -> list[dict]:
     """(d): bf16 gradient in, bf16 weights out, one step per moment format."""
@@ -212,26 +224,9 @@ def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type 
     if ext is not None:
         a, b, c = p.clone(), p.clone(), p.clone()
         peers["probe"] = lambda: ext.stream_probe(a, b, c, g16, out, 0.0, threads, True)
-    if ao_cls is not None:
-        param = torch.nn.Parameter(p.clone())
-        opt = ao_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-        g32 = g16.float()
-
-        def ao_step() -> None:
-            param.grad = g32
-            opt.step()
-
-        peers["torchao_AdamW8bit"] = ao_step
-    if bnb_cls is not None:
-        bparam = torch.nn.Parameter(p.clone())
-        bopt = bnb_cls([bparam], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-        bg32 = g16.float()
-
-        def bnb_step() -> None:
-            bparam.grad = bg32
-            bopt.step()
-
-        peers["bnb_AdamW8bit"] = bnb_step
+    for name, cls in (("torchao_AdamW8bit", ao_cls), ("bnb_AdamW8bit", bnb_cls)):
+        if cls is not None:
+            peers[name] = _torch_optimizer_step(cls, p, g16.float())
     res = time_peers(peers, repeats, warmup)
     base = res["fp32"]["median_s"]
     rows = []
