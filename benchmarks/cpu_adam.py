@@ -111,14 +111,19 @@ def call_overhead_us(threads: int) -> dict[str, float]:
     return result
 
 
-def bench_size(n: int, threads: int, repeats: int, warmup: int, ds_cls: type | None) -> list[dict]:
-    torch.set_num_threads(threads)
+def _arrays(n: int) -> tuple:
+    """Seeded step inputs: (generator, master, exp_avg, exp_avg_sq, fp32 grad, bf16 grad)."""
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=gen)
     m = torch.randn(n, generator=gen).mul_(1e-3)
     v = torch.rand(n, generator=gen).mul_(1e-6)
     g32 = torch.randn(n, generator=gen).mul_(1e-2)
-    g16 = g32.to(torch.bfloat16)
+    return gen, p, m, v, g32, g32.to(torch.bfloat16)
+
+
+def bench_size(n: int, threads: int, repeats: int, warmup: int, ds_cls: type | None) -> list[dict]:
+    torch.set_num_threads(threads)
+    gen, p, m, v, g32, g16 = _arrays(n)
     tmp32 = torch.empty(n)
     out = torch.empty(n, dtype=torch.bfloat16)
     step_t = torch.tensor(100.0)
@@ -275,12 +280,7 @@ def bench_interleaved(n: int, threads: int, repeats: int) -> list[dict]:
     ext = _build.load()
     if ext is None:
         return []
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(n, generator=gen)
-    m = torch.randn(n, generator=gen).mul_(1e-3)
-    v = torch.rand(n, generator=gen).mul_(1e-6)
-    g32 = torch.randn(n, generator=gen).mul_(1e-2)
-    g16 = g32.to(torch.bfloat16)
+    gen, p, m, v, g32, g16 = _arrays(n)
     out = torch.empty(n, dtype=torch.bfloat16)
     x = torch.randn(512, 512, generator=gen)
     step_t = torch.tensor(100.0)
