@@ -164,6 +164,45 @@ def test_unused_parameters_differ_across_ranks():
     _close(got[0], got[1], tol=0)
 
 
+class Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.out((self.b(self.a(x)) if use_b else self.a(x)).tanh())
+
+
+def _sometimes(rank: int, world: int) -> list:
+    # b: used by rank 1 at steps 0 and 1 only; c: by no rank.
+    torch.manual_seed(0)
+    model = Three()
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5),
+                         precision="32-true", bucket_size_mb=1.0)
+    for step in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
+        engine.backward(engine.module(x, rank == 1 and step < 2).square().mean())
+        engine.step()
+        engine.zero_grad()
+    return _params(engine)
+
+
+def test_a_parameter_without_gradient_on_every_rank_is_left_untouched():
+    got = run_ranks(_sometimes, 2)
+    torch.manual_seed(0)
+    ref = Three()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5)
+    for step in range(4):
+        loss = sum(ref(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + r)),
+                       r == 1 and step < 2).square().mean() for r in range(2)) / 2
+        loss.backward()
+        opt.step()  # steps 2-3: b.grad is None (skipped); c.grad always None
+        opt.zero_grad()
+    _close([p.detach() for p in ref.parameters()], got[0])
+    _close(got[0], got[1], tol=0)
+
+
 def _ranks_delayed(rank: int, world: int) -> list:
     engine = _engine(delayed_update=True, delayed_update_warmup=2)
     _train(engine, _split(batches(6), rank, world))

@@ -51,6 +51,7 @@ class EngineState:
                  **ckpt.moments_fields(self.host.moments[g])}
                 for g in range(len(self.group_sizes))
             ],
+            "param_steps": list(self.stepper.param_steps),
             "param_groups": [ckpt.group_hparams(g) for g in self.param_groups],
             "scaler": scaler.state_dict() if scaler else None,
         }
@@ -74,6 +75,7 @@ class EngineState:
                             m32, v32 = theirs.chunk(a, k).to_fp32()
                             mine.chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
                 self.stepper.steps[g] = int(saved["step"])
+        self.stepper.param_steps[:] = ckpt.param_steps(state)
         for group, hp in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(hp)
         self._load_scaler(state)
@@ -151,7 +153,8 @@ class EngineState:
             m32, v32 = self.moments_fp32()
             flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
         hparams = [ckpt.group_hparams(g) for g in self.param_groups]
-        out = ckpt.assemble(self.layout.describe(), flats, list(self.stepper.steps), hparams)
+        out = ckpt.assemble(self.layout.describe(), flats, list(self.stepper.param_steps),
+                            hparams)
         full: dict[str, Any] = {"format": files.FULL_FORMAT}
         trained = self.weights.trained
         if model:  # keyed like module.state_dict(): buffers and untrained tensors too
@@ -172,10 +175,13 @@ class EngineState:
             self.module.load_state_dict(model, strict=True)
             self.remember_frozen(model)
             states = opt["state"] if opt else {}
+            self.stepper.param_steps[:] = [int(states[s.index]["step"]) if s.index in states
+                                           else 0 for s in self.layout.slots]
             for g in range(len(self.group_sizes)):
-                steps = [int(states[s.index]["step"]) for s in self.layout.slots
-                         if s.group == g and s.index in states]
-                self.stepper.steps[g] = max(steps, default=0)
+                self.stepper.steps[g] = max((n for s, n in zip(self.layout.slots,
+                                                                self.stepper.param_steps,
+                                                                strict=True) if s.group == g),
+                                            default=0)
             host, md = self.host, self.host.moment_dtype
             pieces: dict[int, list] = {}
             for piece in shard_pieces(self.layout, self.rank):

@@ -32,8 +32,10 @@ from torch import Tensor
 
 from lightning_zero_offload.core.collectives import capture
 
-SHARD_FORMAT = "lightning_zero_offload.shard/2"  # /2: compact moments ("moment_dtype")
-SHARD_FORMATS = ("lightning_zero_offload.shard/1", SHARD_FORMAT)  # what loads read
+# /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")
+SHARD_FORMAT = "lightning_zero_offload.shard/3"
+SHARD_FORMATS = ("lightning_zero_offload.shard/1", "lightning_zero_offload.shard/2",
+                 SHARD_FORMAT)  # what loads read
 FULL_FORMAT = "lightning_zero_offload.full/1"
 DIR_FORMAT = "lightning_zero_offload.dir/1"
 MANIFEST = "zero_offload.json"  # marks (and completes) a checkpoint folder of this library

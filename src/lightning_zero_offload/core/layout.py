@@ -7,11 +7,12 @@ get one global order, the order in which their last parameter is expected to rec
 gradients are reduced bucket by bucket in exactly that order on every rank, which keeps collective
 calls matched even when ranks see different unused parameters.
 
-Every bucket is padded to a multiple of ``world_size * shard_align`` elements (``ALIGN`` by
-default; ``ops.BLOCK`` for 8-bit moments, whose per-block scales need every shard and bucket
-shard to start on a block boundary) and split into ``world_size`` equal shards; rank r owns shard r
-of every bucket. A rank's host arrays for a
-group are its shards of that group's buckets, back to back.
+Every parameter starts on a multiple of ``shard_align`` elements and every bucket is padded to a
+multiple of ``world_size * shard_align`` (``ALIGN`` by default; ``ops.BLOCK`` for 8-bit moments,
+whose per-block scales need every shard, bucket shard and parameter to start on a block boundary:
+a step that skips a parameter without a gradient then touches no block of its neighbours), and
+split into ``world_size`` equal shards; rank r owns shard r of every bucket. A rank's host arrays
+for a group are its shards of that group's buckets, back to back.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def build_layout(
 
     ``order`` maps ``id(param)`` to its registration position in the module; ``trainable`` marks
     the parameters the engine manages (the others keep their torch index but get no slot).
-    ``shard_align`` (a multiple of ``ALIGN``): every bucket shard's size, so every shard start,
-    is a multiple of it.
+    ``shard_align`` (a multiple of ``ALIGN``): every parameter's offset and every bucket shard's
+    size, so every shard start, is a multiple of it.
     """
     if shard_align < ALIGN or shard_align % ALIGN:
         raise ValueError(f"build_layout: shard_align={shard_align} must be a multiple of {ALIGN}")
@@ -141,7 +142,7 @@ def build_layout(
     closed: list[tuple[int, list[Slot]]] = []
     for s in walk:
         cur = open_slots.setdefault(s.group, [])
-        size = _round_up(s.numel, ALIGN)
+        size = _round_up(s.numel, shard_align)
         if cur and open_numel[s.group] + size > bucket_numel:
             closed.append((s.group, cur))
             cur = open_slots[s.group] = []
@@ -160,7 +161,7 @@ def build_layout(
         for s in members:
             s.offset = offset
             s.bucket = len(buckets)
-            offset += _round_up(s.numel, ALIGN)
+            offset += _round_up(s.numel, shard_align)
         numel = _round_up(offset - start, world_size * shard_align)
         bucket = Bucket(g, start, numel, numel // world_size, group_shard[g])
         bucket.slots = [slot_pos[id(s)] for s in members]
@@ -171,6 +172,6 @@ def build_layout(
 
 
 def shard_align(moment_dtype: str) -> int:
-    """The bucket-shard alignment a moment format needs: ``ops.BLOCK`` for ``"int8"`` (its
-    kernel calls start on block boundaries), else ``ALIGN``."""
+    """The parameter and bucket-shard alignment a moment format needs: ``ops.BLOCK`` for
+    ``"int8"`` (its kernel calls start on block boundaries), else ``ALIGN``."""
     return BLOCK if moment_dtype == "int8" else ALIGN

@@ -2,7 +2,8 @@
 
 A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its moments per group
 as the engine holds them (``"moment_dtype"``: fp32, bf16, or 8-bit codes with their per-block
-``exp_avg_scales``/``exp_avg_sq_scales``; format ``/1`` shards are fp32), step counts,
+``exp_avg_scales``/``exp_avg_sq_scales``; format ``/1`` shards are fp32), step counts per group
+and per parameter (``"param_steps"``, in layout order; before format ``/3`` the group's),
 hyperparameters, the loss scaler and the layout that produced it. The layout lets
 :func:`consolidate` rebuild the full, world-size-independent form from all shards: a fp32 model
 state_dict plus a ``torch.optim.AdamW``-format optimizer state_dict. Files, checksums and atomic
@@ -34,6 +35,13 @@ def group_hparams(group: dict) -> dict:
 def shard_moment_dtype(shard: dict) -> str:
     """The moment format of a shard (format ``/1`` shards hold fp32 moments)."""
     return shard.get("moment_dtype", "fp32")
+
+
+def param_steps(shard: dict) -> list[int]:
+    """Steps taken per parameter, in layout order (older shards: each its group's count)."""
+    if "param_steps" in shard:
+        return [int(n) for n in shard["param_steps"]]
+    return [int(shard["groups"][g]["step"]) for _, g, *_ in shard["layout"]["params"]]
 
 
 def group_moments(shard: dict, g: int) -> Moments:
@@ -76,23 +84,24 @@ def consolidate(shards: list[dict]) -> dict:
             # Compact moments are dequantized bucket shard by bucket shard (block-aligned).
             m, v = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
             flats["exp_avg"][g][sl], flats["exp_avg_sq"][g][sl] = m, v
-    steps = [int(grp["step"]) for grp in shards[0]["groups"]]
-    return assemble(desc, flats, steps, shards[0]["param_groups"])
+    return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"])
 
 
 def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
              hparams: list[dict]) -> dict:
-    """Full state from full flat fp32 buffers per group (``flats[key][group]``); without
-    ``"master"`` the model is empty, without ``"exp_avg"``/``"exp_avg_sq"`` the optimizer state."""
+    """Full state from full flat fp32 buffers per group (``flats[key][group]``) and the steps
+    per parameter (layout order; a parameter that never had a gradient gets no state, as in
+    torch); without ``"master"`` the model is empty, without ``"exp_avg"``/``"exp_avg_sq"`` the
+    optimizer state."""
     model: dict[str, Tensor] = {}
     state: dict[int, dict] = {}
-    for name, g, index, offset, numel, shape in desc["params"]:
+    for (name, g, index, offset, numel, shape), step in zip(desc["params"], steps, strict=True):
         sl = slice(offset, offset + numel)
         if "master" in flats:
             model[name] = flats["master"][g][sl].view(shape).clone()
-        if steps[g] > 0 and "exp_avg" in flats:
+        if step > 0 and "exp_avg" in flats:
             state[index] = {
-                "step": torch.tensor(float(steps[g])),
+                "step": torch.tensor(float(step)),
                 "exp_avg": flats["exp_avg"][g][sl].view(shape).clone(),
                 "exp_avg_sq": flats["exp_avg_sq"][g][sl].view(shape).clone(),
             }
@@ -132,6 +141,12 @@ def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
         raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
     if len(shard["groups"]) != len(numels):
         raise CheckpointError(f"{who}: {len(shard['groups'])} groups, expected {len(numels)}")
+    steps = shard.get("param_steps", [])
+    if "param_steps" in shard and (
+            not isinstance(steps, list) or len(steps) != len(shard["layout"]["params"])
+            or not all(isinstance(n, int) and n >= 0 for n in steps)):
+        raise CheckpointError(f"{who}: param_steps is not one step count per parameter (corrupt "
+                              "shard?); use another checkpoint")
     for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
         want = {"master": (n, torch.float32), "exp_avg": (n, MOMENT_STORAGE[md]),
                 "exp_avg_sq": (n, MOMENT_STORAGE[md])}

@@ -2,9 +2,11 @@
 and the fused kernel over this rank's shard.
 
 ``decide`` runs on the caller's thread and settles everything that needs all ranks or the
-user's live state. ``run_kernel`` only runs the kernel, chunk by chunk (a chunk is a bucket's
-shard), each finished chunk's weights queued for the device while the next computes; it may run
-on the delayed-update worker, so it issues no collective unless told to (``gather``).
+user's live state, including which parameters got a gradient on any rank: as torch's AdamW, the
+step leaves the others untouched (no decay, no moment update) and counts steps per parameter.
+``run_kernel`` only runs the kernel, chunk by chunk (a chunk is a bucket's shard, cut where
+parameters skip), each finished chunk's weights queued for the device while the next computes;
+it may run on the delayed-update worker, so it issues no collective unless told to (``gather``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from torch import Tensor
 from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.host import HostBuffers
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.weights import DeviceWeights
 from lightning_zero_offload.ops import fused_adamw_
+
+Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
 
 
 @dataclass
@@ -32,7 +36,25 @@ class StepPlan:
     """Everything the kernel needs, fixed at decision time."""
 
     grad_scale: float
-    hparams: list[dict]  # per group: step, lr, betas, eps, weight_decay, decoupled
+    hparams: list[dict]  # per group: lr, betas, eps, weight_decay, decoupled
+    runs: list[list[Run]]  # per bucket, ascending; the ranges between runs are left untouched
+
+
+def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, int]]]:
+    """Per bucket, ``(slot, begin, end)`` of every parameter on this rank's shard of it, in
+    offset order, relative to the shard; ``end`` includes the padding up to the next multiple of
+    ``align`` (parameters start on one; int8 moments cut only at block boundaries)."""
+    out: list[list[tuple[int, int, int]]] = []
+    for bucket in layout.buckets:
+        a, z = bucket.shard_range(rank)
+        mine = []
+        for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
+            s = layout.slots[i]
+            lo, hi = max(s.offset, a), min(s.offset + s.numel, z)
+            if lo < hi:
+                mine.append((i, lo - a, min(-(-hi // align) * align, z) - a))
+        out.append(mine)
+    return out
 
 
 class Stepper:
@@ -46,7 +68,9 @@ class Stepper:
         self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
         self.world_size = layout.world_size
         self.threads, self.out_direct, self.profile = threads, out_direct, profile
-        self.steps = [0] * len(layout.group_numel)
+        self.steps = [0] * len(layout.group_numel)  # steps taken, per group
+        self.param_steps = [0] * len(layout.slots)  # steps with a gradient, per parameter
+        self._pieces = _pieces(layout, rank, shard_align(host.moment_dtype))
         self.scaler = (DynamicLossScaler(config.initial_loss_scale,
                                          config.loss_scale_growth_interval)
                        if config.precision == "16-mixed" else None)
@@ -115,16 +139,52 @@ class Stepper:
             if overflow:
                 return None
         self.last_step_skipped = False
+        had = self._had_grad()
+        for i, h in enumerate(had):
+            self.param_steps[i] += h
         hparams = []
         for g, group in enumerate(param_groups):
             self.steps[g] += 1
             hparams.append({
-                "step": self.steps[g], "lr": float(group["lr"]),
+                "lr": float(group["lr"]),
                 "betas": (float(group["betas"][0]), float(group["betas"][1])),
                 "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
                 "decoupled": self.decoupled or bool(group.get("decoupled_weight_decay", False)),
             })
-        return StepPlan(coef / (self.world_size * scale), hparams)
+        return StepPlan(coef / (self.world_size * scale), hparams,
+                        [self._runs(b, had) for b in range(len(self.layout.buckets))])
+
+    def _had_grad(self) -> list[bool]:
+        """Per parameter, whether a gradient arrived on any rank since ``zero_grad`` (a
+        collective with several ranks: DDP also steps a parameter used on one rank only)."""
+        had = self.streamer.had_grad
+        if self.world_size == 1:
+            return list(had)
+        flags = torch.tensor(had, dtype=torch.uint8).to(
+            checks.collective_device(self.group, self.weights.dev.device))
+        collectives.all_reduce(flags, dist.ReduceOp.MAX, self.group,
+                               "all-reduce of which parameters got a gradient")
+        return [bool(f) for f in flags.tolist()]
+
+    def _runs(self, b: int, had: list[bool]) -> list[Run]:
+        """Bucket ``b``'s shard as kernel calls: maximal ranges of adjacent parameters that got
+        a gradient and share a step count (the whole shard, padding too, in the usual case)."""
+        runs: list[Run] = []
+        adjacent = False
+        for i, lo, hi in self._pieces[b]:
+            if not had[i]:
+                adjacent = False
+                continue
+            step = self.param_steps[i]
+            if adjacent and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], hi, step)
+            else:
+                runs.append((lo, hi, step))
+            adjacent = True
+        pieces = self._pieces[b]
+        if len(runs) == 1 and all(had[i] for i, _, _ in pieces):
+            runs = [(0, self.layout.buckets[b].shard, runs[0][2])]
+        return runs
 
     # -- the kernel ---------------------------------------------------------------------------
     def run_kernel(self, plan: StepPlan, sources: list[Tensor], step: int,
@@ -141,9 +201,17 @@ class Stepper:
                     master, moments = self.host.state(b)
                     lo, hi = bucket.shard_range(self.rank)
                     out = target[bucket.group][lo:hi] if self.out_direct else self.host.out(b)
-                    fused_adamw_(master, sources[b], grad_scale=plan.grad_scale, out=out,
-                                 num_threads=self.threads, seed=self.config.moment_seed,
-                                 **moments.kernel_args(), **hp)
+                    done = 0
+                    for begin, end, step in plan.runs[b]:
+                        self._untouched(master, out, done, begin)
+                        sl = slice(begin, end)
+                        fused_adamw_(master[sl], sources[b][sl], grad_scale=plan.grad_scale,
+                                     out=None if out is None else out[sl],
+                                     num_threads=self.threads, seed=self.config.moment_seed,
+                                     step=step, **moments.chunk(begin, end - begin).kernel_args(),
+                                     **hp)
+                        done = end
+                    self._untouched(master, out, done, bucket.shard)
                     if not self.out_direct:
                         weights.copy_shard(b, master if out is None else out, target)
                     if gather and self.world_size > 1:
@@ -153,3 +221,10 @@ class Stepper:
             weights.abandon_push()
             raise
         self.streamer.consumed(sources)
+
+    @staticmethod
+    def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
+        """A range the kernel skips: its half weights, which ``out`` (staging, or the spare
+        weights of the delayed update) may hold stale, are the master's again."""
+        if out is not None and begin < end:
+            out[begin:end].copy_(master[begin:end])

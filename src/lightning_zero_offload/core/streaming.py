@@ -78,6 +78,9 @@ class GradStreamer:
         self._written: list[set[int]] = [set() for _ in range(nb)]
         self._ready = [0] * nb
         self._arrived = [False] * len(layout.slots)
+        # Per parameter: a gradient arrived since zero_grad (the step skips the others, as torch's
+        # AdamW skips parameters whose grad is None).
+        self.had_grad = [False] * len(layout.slots)
         self._next = 0
         self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
@@ -136,6 +139,7 @@ class GradStreamer:
         else:
             dst.copy_(grad.reshape(-1))
             self._written[b].add(i)
+        self.had_grad[i] = True
 
     def _new_buffer(self, b: int) -> Tensor:
         """Bucket ``b``'s buffer (contents undefined: every element is written or zeroed before
@@ -150,7 +154,8 @@ class GradStreamer:
 
     def end_backward(self) -> None:
         """Flush every bucket not flushed yet, in order, with the gradients that did arrive
-        (unused parameters contribute zeros, as in DDP with ``find_unused_parameters``)."""
+        (unused parameters contribute zeros, as in DDP with ``find_unused_parameters``, and keep
+        ``had_grad`` False: the step leaves them alone unless another rank's gradient came)."""
         if not self._in_backward:
             return
         for b in range(self._next, len(self.layout.buckets)):
@@ -170,6 +175,10 @@ class GradStreamer:
 
     def discard(self) -> None:
         """After a failed backward: forget its partial buckets (nothing was sent for them)."""
+        for b in range(self._next, len(self._bufs)):
+            if self.flushes[b] == 0:  # nothing of an earlier backward in it either
+                for i in self.layout.buckets[b].slots:
+                    self.had_grad[i] = False
         self._bufs = [None] * len(self._bufs)
         self._written = [set() for _ in self._bufs]
         self._end_pass()
@@ -334,6 +343,7 @@ class GradStreamer:
     def reset(self) -> None:
         """``zero_grad``: the next flush of each bucket overwrites instead of adding."""
         self.flushes = [0] * len(self.flushes)
+        self.had_grad = [False] * len(self.had_grad)
         self._moved = [0] * len(self._moved)
         self.stats = []
         self._sources = None
