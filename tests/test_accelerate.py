@@ -194,6 +194,28 @@ def test_save_load_state_resumes_exactly_two_processes(tmp_path):
     assert len(list((tmp_path / "ckpt" / "zero_offload").glob("shard-*"))) == 2  # one per rank
 
 
+def _save_after_the_loop(rank: int, world: int, path: str) -> tuple[float, float]:
+    __import__("os").environ["ACCELERATE_USE_CPU"] = "true"
+    acc, _, model, opt, loader, sched = _setup(True, world)
+    _run(acc, model, opt, loader, sched)
+    acc.wait_for_everyone()
+    acc.save_state(path)  # the usual final save, once training is over
+    saved = _weights(acc, model)
+    _run(acc, model, opt, loader, sched)  # a second run over the data, from the live engine
+    straight = _weights(acc, model)
+
+    reset_accelerate()
+    acc, _, model, opt, loader, sched = _setup(True, world)
+    acc.load_state(path)
+    loaded = _weights(acc, model)
+    _run(acc, model, opt, loader, sched)
+    return _rel_err(loaded, saved), _rel_err(_weights(acc, model), straight)
+
+
+def test_save_state_after_the_loop_resumes_exactly(tmp_path):
+    assert _save_after_the_loop(0, 1, str(tmp_path / "final")) == (0.0, 0.0)
+
+
 def test_load_state_needs_engine_shards(tmp_path):
     acc, _, model, opt, loader, sched = _setup(False)
     acc.save_state(str(tmp_path / "plain"))

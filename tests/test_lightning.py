@@ -613,3 +613,57 @@ def test_strategy_reports_the_precision_in_use(tmp_path):
     _, t = fit(Net, strategy, tmp_path, precision="32-true")
     assert t.strategy.config.precision == "32-true"
     assert t.strategy.finished_engine.config.precision == "32-true"
+
+
+class FailsOnRankOne(Net):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            raise RuntimeError("training_step failed on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+FAIL_TIMEOUT, FAIL_MARGIN = 5.0, 25.0  # the strategy's collective_timeout_s; start-up and load
+
+
+def _fit_with_a_failing_rank(rank: int, world: int, root: str, port: int) -> dict:
+    """One process of a torchrun-style launch: Lightning starts the process group (with the
+    strategy's timeout, as under torchrun), so the harness's own group goes first."""
+    import time
+
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    start = time.monotonic()
+    try:
+        fit(FailsOnRankOne, ZeroOffloadStrategy(collective_timeout_s=FAIL_TIMEOUT),
+            f"{root}/{rank}", devices=2)
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever each rank raised
+        out = {"type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - start}
+        if rank == 1:  # stays alive: rank 0 must end by the timeout, not by our exit
+            time.sleep(FAIL_TIMEOUT + FAIL_MARGIN + 20)  # longer than rank 0 may take
+        return out
+    return {"type": None}
+
+
+@pytest.mark.slow
+def test_an_exception_in_training_step_on_one_rank_ends_both_ranks(tmp_path):
+    """Lightning's exception handler tears the strategy down; that must start no collective
+    (the peer would wait in it) and the peer's own wait ends within the collective timeout."""
+    from _dist import free_port, run_ranks
+
+    first, second = run_ranks(_fit_with_a_failing_rank, 2, str(tmp_path), free_port(),
+                              timeout=150)
+    assert second["error"] == "training_step failed on rank 1", second
+    assert second["seconds"] < FAIL_TIMEOUT + FAIL_MARGIN
+    assert first["type"] == "CollectiveError", first
+    # Lightning's per-batch broadcast waits one timeout (and swallows its error), the engine's
+    # next collective another.
+    assert first["seconds"] < 2 * FAIL_TIMEOUT + FAIL_MARGIN
+    assert "rank 1 failed first" in first["error"] and "training_step failed" in first["error"]
+
+
+def test_the_process_group_timeout_defaults_to_the_collective_timeout():
+    from datetime import timedelta
+
+    assert ZeroOffloadStrategy(collective_timeout_s=7.0)._timeout == timedelta(seconds=7)
+    given = timedelta(minutes=3)
+    assert ZeroOffloadStrategy(collective_timeout_s=7.0, timeout=given)._timeout == given

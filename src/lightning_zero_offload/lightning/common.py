@@ -12,6 +12,7 @@ import functools
 import inspect
 import itertools
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -105,6 +106,14 @@ class EngineOwner:
         self.sharded_checkpoint = sharded_checkpoint
         self.engine = None
         self.finished_engine: ZeroOffload | None = None  # torn down, its state kept for saving
+
+    def process_group_timeout(self, timeout: timedelta | None) -> timedelta:
+        """The timeout of a process group the strategy starts: ``timeout``, else the engine's
+        ``collective_timeout_s`` (the framework's own collectives, e.g. Lightning's per-batch
+        broadcast, would otherwise keep the peers of a failed rank for 30 minutes)."""
+        if timeout is not None:
+            return timeout
+        return timedelta(seconds=self.config.collective_timeout_s)
 
     @property
     def saving_engine(self) -> ZeroOffload | None:

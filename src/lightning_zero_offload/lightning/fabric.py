@@ -20,7 +20,6 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -62,7 +61,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **config_overrides: object,
     ) -> None:
@@ -75,7 +74,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.process_group_timeout(timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _EngineBackwardSync(self)

@@ -26,7 +26,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
@@ -58,6 +57,10 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             the fp32 master weights under ``"state_dict"``, so ``load_from_checkpoint`` works
             without this strategy.
 
+        timeout: of the process group the strategy starts (the framework's own collectives,
+            such as Lightning's per-batch broadcast): default ``config.collective_timeout_s``,
+            so a failed rank ends its peers within that time, not the usual 30 minutes.
+
     Remaining arguments are ``DDPStrategy``'s (launcher, cluster environment, process group).
     After each optimizer step that updated the weights, the strategy logs (on step, to the
     loggers, not the progress bar) the pre-clip global gradient norm as ``zero_offload/grad_norm``
@@ -84,7 +87,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **config_overrides: object,
     ) -> None:
@@ -98,7 +101,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=self.process_group_timeout(timeout),
             start_method=start_method,
         )
 
