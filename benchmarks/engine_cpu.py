@@ -1,10 +1,13 @@
 """The engine on the CPU against plain fused ``torch.optim.AdamW``, in one run.
 
-Measured, for a small GPT (``benchmarks/_gpt.py``, plain torch modules):
+Measured, for a small GPT (``benchmarks/_gpt.py``, plain torch modules) or (``--model mlp``) an
+8-layer MLP of 2048-wide linear layers (33.6M parameters, batch 256, MSE loss):
 
-- step time (forward + backward + clip + step + zero_grad) of ``ZeroOffload(precision="32-true")``
-  vs the same model with ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_``, interleaved
-  round by round so machine noise hits both; the ratio of medians (target <= 1.05);
+- step time (forward + backward + clip + step + zero_grad) of ``ZeroOffload(precision=P)`` vs
+  the same model with ``torch.optim.AdamW(fused=True)`` and ``clip_grad_norm_`` (for
+  ``--precision bf16-mixed``: fp32 parameters under ``torch.autocast("cpu", torch.bfloat16)``,
+  what Lightning's ``bf16-mixed`` runs), interleaved round by round so machine noise hits both;
+  the ratio of medians (target <= 1.05);
 - host bytes per parameter: the engine's own buffer accounting (fp32 master, moments, gradient:
   target 16 plus staging) and the growth of the process RSS, for 1 rank and per rank for 2 ranks
   (gloo, spawned processes; target about half of the optimizer state per rank).
@@ -34,9 +37,31 @@ from _dist import run_ranks  # noqa: E402
 from _gpt import build_gpt, gpt_config, random_batch  # noqa: E402
 
 
+class MLP(torch.nn.Module):
+    def __init__(self, layers: int = 8, width: int = 2048) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = torch.relu(layer(x))
+        return torch.nn.functional.mse_loss(self.layers[-1](x).float(), y)
+
+
 def _model(args: argparse.Namespace):
+    if args.model == "mlp":
+        return None, MLP(width=args.width)
     cfg = gpt_config((args.layers, args.hidden), vocab_size=args.vocab, seq_len=args.seq)
     return cfg, build_gpt(cfg, seed=0)
+
+
+def _batch(args: argparse.Namespace, cfg, batch: int, seed: int = 0):
+    if args.model == "mlp":
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(batch, args.width, generator=g),
+                torch.randn(batch, args.width, generator=g))
+    return random_batch(cfg, batch, seed=seed)
 
 
 def _groups(model: torch.nn.Module) -> list[dict]:
@@ -56,12 +81,19 @@ def step_times(args: argparse.Namespace) -> dict:
     _, offl = _model(args)
     opt = torch.optim.AdamW(_groups(plain), lr=3e-4, fused=True)
     engine = zo.ZeroOffload(offl, torch.optim.AdamW(_groups(offl), lr=3e-4),
-                            precision="32-true", max_grad_norm=1.0,
+                            precision=args.precision, max_grad_norm=1.0,
                             cpu_threads=torch.get_num_threads())
-    x, y = random_batch(cfg, args.batch)
+    x, y = _batch(args, cfg, args.batch)
+    bf16 = args.precision == "bf16-mixed"
+    xe = x.bfloat16() if bf16 and x.is_floating_point() else x  # the engine's weights are bf16
+
+    def plain_fwd_bwd() -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = plain(x, y)
+        loss.backward()
 
     def plain_step(parts: dict) -> None:
-        parts["fwd_bwd"] = _timed(lambda: plain(x, y).backward())
+        parts["fwd_bwd"] = _timed(plain_fwd_bwd)
         def opt_step() -> None:
             torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
             opt.step()
@@ -69,7 +101,7 @@ def step_times(args: argparse.Namespace) -> dict:
         parts["opt"] = _timed(opt_step)
 
     def engine_step(parts: dict) -> None:
-        parts["fwd_bwd"] = _timed(lambda: engine.backward(engine.module(x, y)))
+        parts["fwd_bwd"] = _timed(lambda: engine.backward(engine.module(xe, y)))
         parts["opt"] = _timed(lambda: (engine.step(), engine.zero_grad()))
 
     runs = {"plain": [], "engine": []}
@@ -103,7 +135,7 @@ def memory_probe(rank: int, world: int, args: argparse.Namespace) -> dict:
     rss0 = proc.memory_info().rss
     engine = zo.ZeroOffload(model, torch.optim.AdamW(_groups(model), lr=3e-4),
                             precision=args.mem_precision, max_grad_norm=1.0, cpu_threads=1)
-    x, y = random_batch(cfg, 1, seed=rank)
+    x, y = _batch(args, cfg, 1, seed=rank)
     for _ in range(2):
         engine.backward(engine.module(x, y))
         engine.step()
@@ -124,17 +156,21 @@ def memory_probe(rank: int, world: int, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt")
+    ap.add_argument("--precision", choices=("32-true", "bf16-mixed"), default="32-true")
+    ap.add_argument("--width", type=int, default=2048, help="mlp: width of its 8 layers")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, help="default: 8 (gpt), 256 (mlp)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mem-precision", default="bf16-mixed")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "engine_cpu.json")
     ap.add_argument("--speed-only", action="store_true", help="skip the memory probes")
     args = ap.parse_args()
+    args.batch = args.batch or (256 if args.model == "mlp" else 8)
 
     # glibc keeps freed large blocks in its heap once its mmap threshold has adapted upwards,
     # which hides frees from RSS; a fixed threshold makes the probes' RSS track live memory.

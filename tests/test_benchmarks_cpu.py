@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,18 @@ def test_dpu_overlap_cpu_tiny(tmp_path: Path) -> None:
         assert res[mode]["step_s"] > 0 and res[mode]["profile_mean_s"]["cpu_step"] > 0
     assert res["delayed"]["profile_mean_s"]["stall"] <= res["delayed"]["step_s"]
     assert (tmp_path / "dpu_timeline.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("model,precision", [("mlp", "bf16-mixed"), ("gpt", "32-true")])
+def test_engine_cpu_speed_runs_each_model_and_precision(model: str, precision: str) -> None:
+    """The engine and its plain-torch peer both train a step of the chosen model (not a speed
+    check: ratios of a tiny model mean nothing)."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "engine_cpu.py"), "--speed-only", "--model",
+         model, "--precision", precision, "--width", "64", "--layers", "1", "--hidden", "64",
+         "--vocab", "128", "--seq", "16", "--steps", "2", "--warmup", "0"],
+        env=dict(os.environ, PYTHONPATH=str(BENCH.parent / "src")), capture_output=True, text=True,
+        timeout=300)
+    assert out.returncode == 0, out.stderr
+    speed = json.loads(out.stdout)["speed"]
+    assert speed["step_time_ratio"] > 0 and speed["median_s"]["engine"]["fwd_bwd"] > 0
