@@ -102,11 +102,10 @@ struct V8 {
     const __m256i d = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(d));
   }
-  LZO_TARGET static I load_u16(const uint16_t* p) {
-    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) {  // lanes hold 0..65535
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
+  LZO_TARGET static F load_bf16(const uint16_t* p) { return load_grad<kBF16>(p, 0); }
+  LZO_TARGET static void store_hi16(uint16_t* p, I x) {
+    const __m256i h = _mm256_srli_epi32(x, 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
   template <Dtype G>

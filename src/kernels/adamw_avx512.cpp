@@ -1,4 +1,4 @@
-// AVX-512F path, 16 floats per step; chosen at run time (see bindings.cpp).
+// AVX-512F+BW path, 16 floats per step; chosen at run time (see bindings.cpp).
 // Same operations as adam_elem in adamw.h; the tail goes to the scalar path.
 #include "adamw.h"
 
@@ -7,7 +7,7 @@
 
 #include <algorithm>
 
-#define LZO_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+#define LZO_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 namespace lzo {
 
@@ -100,16 +100,42 @@ struct V16 {
   LZO_TARGET static void store_u8(uint8_t* p, I x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
-  LZO_TARGET static I load_u16(const uint16_t* p) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // bf16 <-> fp32 as one word permutation each (AVX-512BW): the 16 words go to the odd
+  // (high) halves of the lanes, low halves zeroed; and back, the lanes' high halves packed.
+  LZO_TARGET static F load_bf16(const uint16_t* p) {
+    const __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, widen_idx(), w));
   }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+  LZO_TARGET static void store_hi16(uint16_t* p, I x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_castsi512_si256(_mm512_permutexvar_epi16(narrow_idx(), x)));
   }
   template <Dtype G>
-  LZO_TARGET static F grad(const void* g, int64_t i) { return load_grad<G>(g, i); }
+  LZO_TARGET static F grad(const void* g, int64_t i) {
+    if constexpr (G == kBF16) return load_bf16(static_cast<const uint16_t*>(g) + i);
+    return load_grad<G>(g, i);
+  }
   template <Dtype O>
-  LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  LZO_TARGET static void out(void* o, int64_t i, F x) {
+    if constexpr (O == kBF16) {  // store_out's rounding, packed with store_hi16
+      const __m512i u = _mm512_castps_si512(x);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
+                                _mm512_set1_epi32(-1));
+      store_hi16(static_cast<uint16_t*>(o) + i, r);
+    } else {
+      store_out<O>(o, i, x);
+    }
+  }
+  LZO_TARGET static __m512i widen_idx() {  // word 2k+1 <- word k
+    return _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5,
+                            0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  }
+  LZO_TARGET static __m512i narrow_idx() {  // word k <- word 2k+1
+    return _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29,
+                            27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  }
   LZO_TARGET static F add(F a, F b) { return _mm512_add_ps(a, b); }
   LZO_TARGET static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
   LZO_TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }

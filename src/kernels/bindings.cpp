@@ -33,7 +33,8 @@ std::vector<Isa> detect() {
   std::vector<Isa> isas;  // best first
 #if LZO_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma")) {
     isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::probe_avx512, true});
   }

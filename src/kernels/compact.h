@@ -38,8 +38,8 @@ struct S1 {
   LZO_TARGET static void storef(float* p, F x) { *p = x; }
   LZO_TARGET static I load_u8(const uint8_t* p) { return *p; }
   LZO_TARGET static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
-  LZO_TARGET static I load_u16(const uint16_t* p) { return *p; }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
+  LZO_TARGET static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  LZO_TARGET static void store_hi16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x >> 16); }
   template <Dtype G>
   LZO_TARGET static F grad(const void* g, int64_t i) {
     if constexpr (G == kF32) return static_cast<const float*>(g)[i];
@@ -126,28 +126,30 @@ LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typ
   return sq;
 }
 
-// lowbias32 (a public-domain integer hash by C. Wellons): 32 well-mixed bits per counter.
+// The rounding bits of element j (index in the whole buffer) in a step with key k: h(j + k mod
+// 2^32), h a bijection of 32 bits (two odd multiplies and two xor-shifts), so over keys each
+// element's 32 bits are uniform, as stochastic rounding needs. Low 16 bits round exp_avg, high
+// 16 bits exp_avg_sq. Loops keep the counter j + k as a vector and step it by W.
 template <class V>
 LZO_TARGET inline typename V::I hash_v(typename V::I x) {
-  x = V::xori(x, V::template srli<16>(x));
   x = V::mullo(x, V::seti(0x7feb352du));
   x = V::xori(x, V::template srli<15>(x));
   x = V::mullo(x, V::seti(0x846ca68bu));
   return V::xori(x, V::template srli<16>(x));
 }
 
-// Random bits of elements [i, i + W): low 16 bits round exp_avg, high 16 bits exp_avg_sq.
+// The counter vector of elements [i, i + W).
 template <class V>
-LZO_TARGET inline typename V::I rand_v(uint32_t key, int64_t offset, int64_t i) {
-  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i));
-  return hash_v<V>(V::xori(V::addi(V::seti(base), V::iota()), V::seti(key)));
+LZO_TARGET inline typename V::I counter_v(uint32_t key, int64_t offset, int64_t i) {
+  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i)) + key;
+  return V::addi(V::seti(base), V::iota());
 }
 
-// fp32 -> bf16 bits, stochastically rounded with 16 random bits r16 (NaN -> quiet NaN 0x7fc0).
+// fp32 -> bf16 bits in the high half, stochastically rounded with 16 random bits r16 (NaN ->
+// quiet NaN 0x7fc0).
 template <class V>
 LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
-  const typename V::I q = V::template srli<16>(V::addi(V::asi(x), r16));
-  return V::seli(V::isnan(x), V::seti(0x7fc0u), q);
+  return V::seli(V::isnan(x), V::seti(0x7fc00000u), V::addi(V::asi(x), r16));
 }
 
 // Non-negative x (in units of the block scale) -> E4Mb code with rounding bits r16 (uniform in
@@ -232,18 +234,19 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
   float* __restrict param = a.p;
   uint16_t* __restrict m16 = static_cast<uint16_t*>(a.mc);
   uint16_t* __restrict v16 = static_cast<uint16_t*>(a.vc);
-  const typename V::I lo = V::seti(0xffffu);
+  const typename V::I lo = V::seti(0xffffu), step = V::seti(V::W);
+  typename V::I ctr = counter_v<V>(a.key, a.offset, begin);
   int64_t i = begin;
-  for (; i + V::W <= end; i += V::W) {
+  for (; i + V::W <= end; i += V::W, ctr = V::addi(ctr, step)) {
     typename V::F p = V::loadf(param + i);
-    typename V::F m = V::asf(V::template slli<16>(V::load_u16(m16 + i)));
-    typename V::F v = V::asf(V::template slli<16>(V::load_u16(v16 + i)));
+    typename V::F m = V::load_bf16(m16 + i);
+    typename V::F v = V::load_bf16(v16 + i);
     adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
     if constexpr (O != kNone) V::template out<O>(a.out, i, p);
-    const typename V::I r = rand_v<V>(a.key, a.offset, i);
-    V::store_u16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
-    V::store_u16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
+    const typename V::I r = hash_v<V>(ctr);
+    V::store_hi16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
+    V::store_hi16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
   }
   if constexpr (V::W > 1) {
     if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
@@ -292,8 +295,10 @@ LZO_TARGET void q8_store(const Ptrs& ap, int64_t bs, int64_t be, int64_t& ir, fl
   uint8_t* __restrict v8 = static_cast<uint8_t*>(a.vc);
   const typename V::F invm = V::setf(im), invv = V::setf(iv);
   const typename V::I lo = V::seti(0xffffu);
-  for (; i + V::W <= be; i += V::W) {
-    const typename V::I r = rand_v<V>(a.key, a.offset, i);
+  const typename V::I step = V::seti(V::W);
+  typename V::I ctr = counter_v<V>(a.key, a.offset, i);
+  for (; i + V::W <= be; i += V::W, ctr = V::addi(ctr, step)) {
+    const typename V::I r = hash_v<V>(ctr);
     V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, V::andi(r, lo)));
     V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv),
                                       V::template srli<16>(r)));
