@@ -124,6 +124,7 @@ struct V8 {
   LZO_TARGET static I andi(I a, I b) { return _mm256_and_si256(a, b); }
   LZO_TARGET static I ori(I a, I b) { return _mm256_or_si256(a, b); }
   LZO_TARGET static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  LZO_TARGET static I xor_and(I a, I b, I c) { return _mm256_and_si256(_mm256_xor_si256(a, b), c); }
   template <int K>
   LZO_TARGET static I srli(I a) { return _mm256_srli_epi32(a, K); }
   template <int K>
@@ -137,6 +138,10 @@ struct V8 {
   LZO_TARGET static I cvti(F a) { return _mm256_cvttps_epi32(a); }
   LZO_TARGET static M lti(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   LZO_TARGET static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  LZO_TARGET static F nan_to_default(F a) {
+    return _mm256_blendv_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffc00000u))),
+                            _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
   LZO_TARGET static I seli(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   LZO_TARGET static F self(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
   LZO_TARGET static uint32_t hmaxi(I a) {

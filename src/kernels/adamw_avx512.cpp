@@ -150,6 +150,7 @@ struct V16 {
   LZO_TARGET static I andi(I a, I b) { return _mm512_and_si512(a, b); }
   LZO_TARGET static I ori(I a, I b) { return _mm512_or_si512(a, b); }
   LZO_TARGET static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  LZO_TARGET static I xor_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x28); }
   template <int K>
   LZO_TARGET static I srli(I a) { return _mm512_srli_epi32(a, K); }
   template <int K>
@@ -163,6 +164,9 @@ struct V16 {
   LZO_TARGET static I cvti(F a) { return _mm512_cvttps_epi32(a); }
   LZO_TARGET static M lti(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   LZO_TARGET static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  LZO_TARGET static F nan_to_default(F a) {  // QNaN, SNaN -> QNaN indefinite; others kept
+    return _mm512_fixupimm_ps(a, a, _mm512_set1_epi32(0x33), 0);
+  }
   LZO_TARGET static I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   LZO_TARGET static F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
   LZO_TARGET static uint32_t hmaxi(I a) {

@@ -64,6 +64,7 @@ struct S1 {
   LZO_TARGET static I andi(I a, I b) { return a & b; }
   LZO_TARGET static I ori(I a, I b) { return a | b; }
   LZO_TARGET static I xori(I a, I b) { return a ^ b; }
+  LZO_TARGET static I xor_and(I a, I b, I c) { return (a ^ b) & c; }
   template <int K>
   LZO_TARGET static I srli(I a) { return a >> K; }
   template <int K>
@@ -86,6 +87,7 @@ struct S1 {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b);
   }
   LZO_TARGET static M isnan(F a) { return a != a; }
+  LZO_TARGET static F nan_to_default(F a) { return a != a ? bits_f32(0xffc00000u) : a; }
   LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
   LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
   LZO_TARGET static uint32_t hmaxi(I a) { return a; }
@@ -128,14 +130,17 @@ LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typ
 
 // The rounding bits of element j (index in the whole buffer) in a step with key k: h(j + k mod
 // 2^32), h a bijection of 32 bits (two odd multiplies and two xor-shifts), so over keys each
-// element's 32 bits are uniform, as stochastic rounding needs. Low 16 bits round exp_avg, high
-// 16 bits exp_avg_sq. Loops keep the counter j + k as a vector and step it by W.
+// element's 32 bits are uniform, as stochastic rounding needs. The low 16 bits of h round
+// exp_avg (lo), the high 16 bits exp_avg_sq (hi); the last xor-shift leaves the high half as it
+// was, so hi is the shift itself and lo one ternary op. Loops keep the counter j + k as a vector
+// and step it by W.
 template <class V>
-LZO_TARGET inline typename V::I hash_v(typename V::I x) {
+LZO_TARGET inline void hash_v(typename V::I x, typename V::I& lo, typename V::I& hi) {
   x = V::mullo(x, V::seti(0x7feb352du));
   x = V::xori(x, V::template srli<15>(x));
   x = V::mullo(x, V::seti(0x846ca68bu));
-  return V::xori(x, V::template srli<16>(x));
+  hi = V::template srli<16>(x);
+  lo = V::xor_and(x, hi, V::seti(0xffffu));
 }
 
 // The counter vector of elements [i, i + W).
@@ -145,11 +150,12 @@ LZO_TARGET inline typename V::I counter_v(uint32_t key, int64_t offset, int64_t 
   return V::addi(V::seti(base), V::iota());
 }
 
-// fp32 -> bf16 bits in the high half, stochastically rounded with 16 random bits r16 (NaN ->
-// quiet NaN 0x7fc0).
+// fp32 -> bf16 bits in the high half, stochastically rounded with 16 random bits r16. A NaN is
+// first made x86's default NaN (0xffc00000, one vfixupimm), which no r16 can carry out of: every
+// NaN stores 0xffc0.
 template <class V>
 LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
-  return V::seli(V::isnan(x), V::seti(0x7fc00000u), V::addi(V::asi(x), r16));
+  return V::addi(V::asi(V::nan_to_default(x)), r16);
 }
 
 // Non-negative x (in units of the block scale) -> E4Mb code with rounding bits r16 (uniform in
@@ -234,7 +240,7 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
   float* __restrict param = a.p;
   uint16_t* __restrict m16 = static_cast<uint16_t*>(a.mc);
   uint16_t* __restrict v16 = static_cast<uint16_t*>(a.vc);
-  const typename V::I lo = V::seti(0xffffu), step = V::seti(V::W);
+  const typename V::I step = V::seti(V::W);
   typename V::I ctr = counter_v<V>(a.key, a.offset, begin);
   int64_t i = begin;
   for (; i + V::W <= end; i += V::W, ctr = V::addi(ctr, step)) {
@@ -244,9 +250,10 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
     adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
     if constexpr (O != kNone) V::template out<O>(a.out, i, p);
-    const typename V::I r = hash_v<V>(ctr);
-    V::store_hi16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
-    V::store_hi16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
+    typename V::I lo, hi;
+    hash_v<V>(ctr, lo, hi);
+    V::store_hi16(m16 + i, to_bf16_sr<V>(m, lo));
+    V::store_hi16(v16 + i, to_bf16_sr<V>(v, hi));
   }
   if constexpr (V::W > 1) {
     if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
@@ -294,14 +301,13 @@ LZO_TARGET void q8_store(const Ptrs& ap, int64_t bs, int64_t be, int64_t& ir, fl
   uint8_t* __restrict m8 = static_cast<uint8_t*>(a.mc);
   uint8_t* __restrict v8 = static_cast<uint8_t*>(a.vc);
   const typename V::F invm = V::setf(im), invv = V::setf(iv);
-  const typename V::I lo = V::seti(0xffffu);
   const typename V::I step = V::seti(V::W);
   typename V::I ctr = counter_v<V>(a.key, a.offset, i);
   for (; i + V::W <= be; i += V::W, ctr = V::addi(ctr, step)) {
-    const typename V::I r = hash_v<V>(ctr);
-    V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, V::andi(r, lo)));
-    V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv),
-                                      V::template srli<16>(r)));
+    typename V::I lo, hi;
+    hash_v<V>(ctr, lo, hi);
+    V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, lo));
+    V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv), hi));
   }
   ir = i;
 }

@@ -207,9 +207,10 @@ def decode_q8(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tens
 
 
 def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16, stochastically rounded with 16 random bits per element (NaN -> 0x7fc0)."""
+    """fp32 -> bf16, stochastically rounded with 16 random bits per element (NaN -> 0xffc0,
+    x86's default NaN, as the kernel stores it)."""
     q = ((_bits(x) + r16) & _MASK) >> 16
-    q = torch.where(torch.isnan(x), 0x7FC0, q)
+    q = torch.where(torch.isnan(x), 0xFFC0, q)
     return torch.where(q >= 2**15, q - 2**16, q).to(torch.int16).view(torch.bfloat16)
 
 
