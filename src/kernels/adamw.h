@@ -36,6 +36,7 @@ struct AdamConsts {
   float beta2;
   float one_minus_beta2;
   float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float inv_bc2;    // 1 / sqrt(1 - beta2^step), rounded once: the compact paths multiply by it
   float neg_step;   // -lr / (1 - beta1^step)
   float eps;
   bool has_wd;

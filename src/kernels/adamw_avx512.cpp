@@ -116,18 +116,19 @@ struct V16 {
     return load_grad<G>(g, i);
   }
   template <Dtype O>
-  LZO_TARGET static void out(void* o, int64_t i, F x) {
-    if constexpr (O == kBF16) {  // store_out's rounding, packed with store_hi16
+  LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  template <Dtype O>
+  LZO_TARGET static void out_finite(void* o, int64_t i, F x) {
+    if constexpr (O == kBF16) {  // store_out's rounding without its NaN fix, packed as store_hi16
       const __m512i u = _mm512_castps_si512(x);
       const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q),
-                                _mm512_set1_epi32(-1));
-      store_hi16(static_cast<uint16_t*>(o) + i, r);
+      store_hi16(static_cast<uint16_t*>(o) + i,
+                 _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb));
     } else {
       store_out<O>(o, i, x);
     }
   }
+  LZO_TARGET static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
   LZO_TARGET static __m512i widen_idx() {  // word 2k+1 <- word k
     return _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5,
                             0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);

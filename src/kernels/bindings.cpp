@@ -288,6 +288,7 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.inv_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   c.neg_step = static_cast<float>(-(lr / bc1));
   c.eps = static_cast<float>(eps);
   const Isa& isa = isas()[g_isa.load()];

@@ -6,12 +6,18 @@
 // scalar, AVX2 and AVX-512 instantiations give the same bits; the tail of every vector loop runs
 // the width-1 instantiation (S1) of the same code.
 //
-// The update itself is the fp32 path's (adam_elem) on the dequantized moments; only the stored
-// moments are rounded. Rounding is stochastic (unbiased): round-to-nearest stalls an EMA whose
-// per-step change is below half a unit of the stored precision (v's 0.1% decay with beta2=0.999
-// never moves a bf16 or 8-bit value), so v would stop decaying. The random bits come from a
-// counter-based hash of (key, element index), so they do not depend on threads or SIMD width.
-//
+// The update itself is the fp32 path's (adam_elem) on the dequantized moments, with sqrt(v) / bc2
+// taken as sqrt(v) * (1 / bc2) (see adam_v); only the stored moments are rounded. Rounding is
+// stochastic: round-to-nearest stalls an EMA whose per-step change is below half a unit of the
+// stored precision (v's 0.1% decay with beta2=0.999 never moves a bf16 or 8-bit value), so v
+// would stop decaying. It is unbiased because the bits r added below the kept precision are
+// uniform: x rounds up exactly when its dropped fraction f plus r / 2^16 reaches one unit, which
+// has probability f (bf16 drops 16 bits, all covered by r; the 8-bit codes drop 19-20 bits, r
+// covers the top 16, so the remaining bias is below 2^-16 of a code step). The bits of element j
+// come from a counter-based hash h(j + key), a bijection of 32 bits: as the key varies (one per
+// step and seed) every element's bits are uniform, and they do not depend on threads, SIMD
+// width or how a buffer is cut into calls. NaN moments store x86's default NaN (bf16 0xffc0).
+
 // 8-bit codes (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022: a
 // per-block absmax scale and a non-linear code that keeps small values). Ours is a small float,
 // relative to the block scale, which makes encode and decode a few integer operations:
@@ -52,6 +58,8 @@ struct S1 {
     if constexpr (O == kBF16) static_cast<uint16_t*>(o)[i] = f32_to_bf16(x);
     if constexpr (O == kF16) static_cast<uint16_t*>(o)[i] = f32_to_f16(x);
   }
+  template <Dtype O>  // out of a vector known to hold no NaN (wider types skip their NaN fix)
+  LZO_TARGET static void out_finite(void* o, int64_t i, F x) { out<O>(o, i, x); }
   LZO_TARGET static F add(F a, F b) { return a + b; }
   LZO_TARGET static F sub(F a, F b) { return a - b; }
   LZO_TARGET static F mul(F a, F b) { return a * b; }
@@ -87,6 +95,7 @@ struct S1 {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b);
   }
   LZO_TARGET static M isnan(F a) { return a != a; }
+  LZO_TARGET static bool any_nan(F a) { return a != a; }
   LZO_TARGET static F nan_to_default(F a) { return a != a ? bits_f32(0xffc00000u) : a; }
   LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
   LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
@@ -104,15 +113,18 @@ inline int mode_of(const AdamConsts& c) {
 // The per-step constants, broadcast.
 template <class V>
 struct VConsts {
-  typename V::F gs, decay, wd, lw, b2, omb2, bc2, ns, eps;
+  typename V::F gs, decay, wd, lw, b2, omb2, ibc2, ns, eps;
   LZO_TARGET explicit VConsts(const AdamConsts& c)
       : gs(V::setf(c.grad_scale)), decay(V::setf(c.decay)), wd(V::setf(c.wd)),
         lw(V::setf(c.lerp_small ? c.lerp_w : c.lerp_w1)), b2(V::setf(c.beta2)),
-        omb2(V::setf(c.one_minus_beta2)), bc2(V::setf(c.bc2_sqrt)), ns(V::setf(c.neg_step)),
+        omb2(V::setf(c.one_minus_beta2)), ibc2(V::setf(c.inv_bc2)), ns(V::setf(c.neg_step)),
         eps(V::setf(c.eps)) {}
 };
 
-// adam_elem's operations, in its order; returns sqrt(v) (the 8-bit code stores it).
+// adam_elem's operations, in its order, but for one: sqrt(v) / bc2 is sqrt(v) * (1 / bc2) (one
+// more rounding, 2^-24 relative, far below the stored moments' own), which takes one of the
+// three divider operations (sqrt, two divisions) off the loop: on AVX-512 they bound it.
+// Returns sqrt(v) (the 8-bit code stores it).
 template <class V, int Md>
 LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typename V::F& p,
                                        typename V::F& m, typename V::F& v) {
@@ -123,7 +135,7 @@ LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typ
   m = V::fma(k.lw, d, (Md & kLerpLarge) ? g : m);
   v = V::fma(V::mul(k.omb2, g), g, V::mul(v, k.b2));
   const typename V::F sq = V::sqrt(v);
-  const typename V::F denom = V::add(V::div(sq, k.bc2), k.eps);
+  const typename V::F denom = V::add(V::mul(sq, k.ibc2), k.eps);
   p = V::add(p, V::div(V::mul(k.ns, m), denom));
   return sq;
 }
@@ -249,11 +261,17 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
     typename V::F v = V::load_bf16(v16 + i);
     adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
-    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
     typename V::I lo, hi;
     hash_v<V>(ctr, lo, hi);
-    V::store_hi16(m16 + i, to_bf16_sr<V>(m, lo));
-    V::store_hi16(v16 + i, to_bf16_sr<V>(v, hi));
+    if (!V::any_nan(p)) {  // then m and v hold no NaN either: a NaN in m or v makes p NaN
+      if constexpr (O != kNone) V::template out_finite<O>(a.out, i, p);
+      V::store_hi16(m16 + i, V::addi(V::asi(m), lo));
+      V::store_hi16(v16 + i, V::addi(V::asi(v), hi));
+    } else {
+      if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+      V::store_hi16(m16 + i, to_bf16_sr<V>(m, lo));
+      V::store_hi16(v16 + i, to_bf16_sr<V>(v, hi));
+    }
   }
   if constexpr (V::W > 1) {
     if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
@@ -281,7 +299,13 @@ LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64
     typename V::F v = V::mul(s, s);
     const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
-    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+    if constexpr (O != kNone) {
+      if (!V::any_nan(p)) {
+        V::template out_finite<O>(a.out, i, p);
+      } else {
+        V::template out<O>(a.out, i, p);
+      }
+    }
     V::storef(mb + (i - bs), m);
     V::storef(sb + (i - bs), sq);
     // max of |x| as integers: exact, order-free, and >= 0x7f800000 iff a value is not finite
