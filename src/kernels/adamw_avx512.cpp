@@ -97,6 +97,9 @@ struct V16 {
   LZO_TARGET static I load_u8(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  LZO_TARGET static I load_s8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   LZO_TARGET static void store_u8(uint8_t* p, I x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
   }
@@ -143,36 +146,30 @@ struct V16 {
   LZO_TARGET static F div(F a, F b) { return _mm512_div_ps(a, b); }
   LZO_TARGET static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   LZO_TARGET static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  LZO_TARGET static F floor(F a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  }
   LZO_TARGET static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
   LZO_TARGET static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
   LZO_TARGET static I andi(I a, I b) { return _mm512_and_si512(a, b); }
-  LZO_TARGET static I ori(I a, I b) { return _mm512_or_si512(a, b); }
   LZO_TARGET static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
   LZO_TARGET static I xor_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x28); }
+  LZO_TARGET static I or_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0xf8); }
+  LZO_TARGET static I minu(I a, I b) { return _mm512_min_epu32(a, b); }
+  LZO_TARGET static I maxu(I a, I b) { return _mm512_max_epu32(a, b); }
+  LZO_TARGET static uint32_t hmaxu(I a) { return _mm512_reduce_max_epu32(a); }
+  LZO_TARGET static M zero_bits(I a, I b) { return _mm512_testn_epi32_mask(a, b); }
+  LZO_TARGET static M ltf(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   template <int K>
   LZO_TARGET static I srli(I a) { return _mm512_srli_epi32(a, K); }
   template <int K>
   LZO_TARGET static I slli(I a) { return _mm512_slli_epi32(a, K); }
   LZO_TARGET static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  LZO_TARGET static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
-  LZO_TARGET static I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
   LZO_TARGET static I asi(F a) { return _mm512_castps_si512(a); }
   LZO_TARGET static F asf(I a) { return _mm512_castsi512_ps(a); }
-  LZO_TARGET static F cvtf(I a) { return _mm512_cvtepi32_ps(a); }
-  LZO_TARGET static I cvti(F a) { return _mm512_cvttps_epi32(a); }
   LZO_TARGET static M lti(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
-  LZO_TARGET static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   LZO_TARGET static F nan_to_default(F a) {  // QNaN, SNaN -> QNaN indefinite; others kept
     return _mm512_fixupimm_ps(a, a, _mm512_set1_epi32(0x33), 0);
   }
   LZO_TARGET static I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
   LZO_TARGET static F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
-  LZO_TARGET static uint32_t hmaxi(I a) {
-    return static_cast<uint32_t>(_mm512_reduce_max_epi32(a));
-  }
 };
 
 #include "compact.h"

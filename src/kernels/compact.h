@@ -2,7 +2,7 @@
 //
 // Included by each ISA file inside `namespace lzo { namespace { ... } }`, after it defines
 // LZO_TARGET and its vector type (see S1 below for the interface). Every operation here is exact
-// integer arithmetic or a single IEEE float operation (add, mul, div, sqrt, fma, floor), so the
+// integer arithmetic or a single IEEE float operation (add, mul, div, sqrt, fma), so the
 // scalar, AVX2 and AVX-512 instantiations give the same bits; the tail of every vector loop runs
 // the width-1 instantiation (S1) of the same code.
 //
@@ -43,6 +43,9 @@ struct S1 {
   LZO_TARGET static F loadf(const float* p) { return *p; }
   LZO_TARGET static void storef(float* p, F x) { *p = x; }
   LZO_TARGET static I load_u8(const uint8_t* p) { return *p; }
+  LZO_TARGET static I load_s8(const uint8_t* p) {  // sign-extended
+    return static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(*p)));
+  }
   LZO_TARGET static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
   LZO_TARGET static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   LZO_TARGET static void store_hi16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x >> 16); }
@@ -66,40 +69,31 @@ struct S1 {
   LZO_TARGET static F div(F a, F b) { return a / b; }
   LZO_TARGET static F sqrt(F a) { return std::sqrt(a); }
   LZO_TARGET static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  LZO_TARGET static F floor(F a) { return std::floor(a); }
   LZO_TARGET static I addi(I a, I b) { return a + b; }
   LZO_TARGET static I subi(I a, I b) { return a - b; }
   LZO_TARGET static I andi(I a, I b) { return a & b; }
-  LZO_TARGET static I ori(I a, I b) { return a | b; }
   LZO_TARGET static I xori(I a, I b) { return a ^ b; }
   LZO_TARGET static I xor_and(I a, I b, I c) { return (a ^ b) & c; }
+  LZO_TARGET static I or_and(I a, I b, I c) { return a | (b & c); }
+  LZO_TARGET static I minu(I a, I b) { return a < b ? a : b; }
+  LZO_TARGET static I maxu(I a, I b) { return a > b ? a : b; }
+  LZO_TARGET static uint32_t hmaxu(I a) { return a; }
+  LZO_TARGET static M zero_bits(I a, I b) { return (a & b) == 0; }
+  LZO_TARGET static M ltf(F a, F b) { return a < b; }
   template <int K>
   LZO_TARGET static I srli(I a) { return a >> K; }
   template <int K>
   LZO_TARGET static I slli(I a) { return a << K; }
   LZO_TARGET static I mullo(I a, I b) { return a * b; }
-  LZO_TARGET static I mini(I a, I b) {  // signed, as vpminsd
-    return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
-  }
-  LZO_TARGET static I maxi(I a, I b) {
-    return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b;
-  }
   LZO_TARGET static I asi(F a) { return f32_bits(a); }
   LZO_TARGET static F asf(I a) { return bits_f32(a); }
-  LZO_TARGET static F cvtf(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
-  LZO_TARGET static I cvti(F a) {  // truncation with x86's answer (0x80000000) out of range
-    if (!(a > -2147483904.0f && a < 2147483648.0f)) return 0x80000000u;
-    return static_cast<uint32_t>(static_cast<int32_t>(a));
-  }
   LZO_TARGET static M lti(I a, I b) {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b);
   }
-  LZO_TARGET static M isnan(F a) { return a != a; }
   LZO_TARGET static bool any_nan(F a) { return a != a; }
   LZO_TARGET static F nan_to_default(F a) { return a != a ? bits_f32(0xffc00000u) : a; }
   LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
   LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
-  LZO_TARGET static uint32_t hmaxi(I a) { return a; }
 };
 
 // Weight-decay form and lerp formula, fixed per loop instantiation (no branches in the loop).
@@ -177,14 +171,14 @@ LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
 // the subnormal step, and the result shifted back by one binade's worth of codes (2^Mb).
 template <class V, int Mb>
 LZO_TARGET inline typename V::I enc_mag(typename V::F x, typename V::I r16) {
-  // |x|: a NaN made by 0 * inf may carry a sign; dropping it keeps every code in [0, max].
-  const typename V::I ax = V::andi(V::asi(x), V::seti(0x7fffffffu));
-  const typename V::M sub = V::lti(ax, V::seti(113u << 23));
-  const typename V::F y = V::self(sub, V::add(V::asf(ax), V::setf(0x1p-14f)), V::asf(ax));
+  // x >= +0 or NaN (a NaN made by 0 * inf may carry a sign: its code is the largest either way,
+  // and the block's scale is NaN).
+  const typename V::M sub = V::ltf(x, V::setf(0x1p-14f));
+  const typename V::F y = V::self(sub, V::add(x, V::setf(0x1p-14f)), x);
   const typename V::I q = V::subi(
       V::template srli<23 - Mb>(V::addi(V::asi(y), V::template slli<7 - Mb>(r16))),
       V::seli(sub, V::seti((112u << Mb) + (1u << Mb)), V::seti(112u << Mb)));
-  return V::mini(q, V::seti((1u << (4 + Mb)) - 1u));
+  return V::minu(q, V::seti((1u << (4 + Mb)) - 1u));
 }
 
 template <class V, int Mb>
@@ -198,18 +192,23 @@ LZO_TARGET inline typename V::F dec_mag(typename V::I c) {
 constexpr float kMaxM = 1.875f;   // largest E4M3 magnitude
 constexpr float kMaxS = 1.9375f;  // largest E4M4 value
 
+// exp_avg codes, read sign-extended (the sign then fills the lane's top bits): the magnitude
+// decoded as dec_mag<3> does, the sign put back on it, times the block scale.
 template <class V>
 LZO_TARGET inline typename V::F dec_m(typename V::I c, typename V::F scale) {
-  const typename V::F mag = dec_mag<V, 3>(V::andi(c, V::seti(0x7fu)));
-  const typename V::I sign = V::template slli<24>(V::andi(c, V::seti(0x80u)));
-  return V::mul(V::asf(V::ori(V::asi(mag), sign)), scale);
+  const typename V::M sub = V::zero_bits(c, V::seti(0x78u));  // exponent 0: a subnormal code
+  const typename V::I c1 = V::seli(sub, V::addi(c, V::seti(8u)), c);
+  const typename V::F x = V::asf(V::addi(V::andi(V::template slli<20>(c1), V::seti(0x07f00000u)),
+                                         V::seti(112u << 23)));
+  const typename V::F mag = V::self(sub, V::sub(x, V::setf(0x1p-14f)), x);
+  return V::mul(V::asf(V::or_and(V::asi(mag), c, V::seti(0x80000000u))), scale);
 }
 
 template <class V>
 LZO_TARGET inline typename V::I enc_m(typename V::F m, typename V::F inv, typename V::I r16) {
   const typename V::I bits = V::asi(m);
   const typename V::F mag = V::mul(V::asf(V::andi(bits, V::seti(0x7fffffffu))), inv);
-  return V::ori(enc_mag<V, 3>(mag, r16), V::template srli<24>(V::andi(bits, V::seti(0x80000000u))));
+  return V::or_and(enc_mag<V, 3>(mag, r16), V::template srli<24>(bits), V::seti(0x80u));
 }
 
 // Scale (dequantization multiplier) and its inverse for a block from the max of |x|'s bits.
@@ -294,7 +293,7 @@ LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64
   typename V::I mx = V::seti(0u), sx = V::seti(0u);
   for (; i + V::W <= be; i += V::W) {
     typename V::F p = V::loadf(param + i);
-    typename V::F m = dec_m<V>(V::load_u8(m8 + i), scm);
+    typename V::F m = dec_m<V>(V::load_s8(m8 + i), scm);
     const typename V::F s = V::mul(dec_mag<V, 4>(V::load_u8(v8 + i)), scv);
     typename V::F v = V::mul(s, s);
     const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
@@ -308,13 +307,14 @@ LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64
     }
     V::storef(mb + (i - bs), m);
     V::storef(sb + (i - bs), sq);
-    // max of |x| as integers: exact, order-free, and >= 0x7f800000 iff a value is not finite
-    mx = V::maxi(mx, V::andi(V::asi(m), abs));
-    sx = V::maxi(sx, V::andi(V::asi(sq), abs));
+    // max of |x| as unsigned integers: exact, order-free, and >= 0x7f800000 iff a value is not
+    // finite. sqrt(v) is +0, positive or NaN (v >= +0), so its bits need no mask.
+    mx = V::maxu(mx, V::andi(V::asi(m), abs));
+    sx = V::maxu(sx, V::asi(sq));
   }
   ir = i;
-  mmax = std::max(mmax, V::hmaxi(mx));
-  smax = std::max(smax, V::hmaxi(sx));
+  mmax = std::max(mmax, V::hmaxu(mx));
+  smax = std::max(smax, V::hmaxu(sx));
 }
 
 template <class V>
