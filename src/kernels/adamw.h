@@ -88,6 +88,7 @@ void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end);
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
+void compact_avx512bf16(const AdamArgs& a, int64_t begin, int64_t end);
 #endif
 
 // Runs the instantiation of an ISA's loop that fits the run-time dtypes. `Loop<G, O>::run` is

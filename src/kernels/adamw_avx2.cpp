@@ -117,7 +117,7 @@ struct V8 {
   LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
   template <Dtype O>
   LZO_TARGET static void out_finite(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
-  LZO_TARGET static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  LZO_TARGET static bool needs_fix(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   LZO_TARGET static F add(F a, F b) { return _mm256_add_ps(a, b); }
   LZO_TARGET static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   LZO_TARGET static F mul(F a, F b) { return _mm256_mul_ps(a, b); }

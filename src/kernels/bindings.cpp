@@ -36,6 +36,11 @@ std::vector<Isa> detect() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16")) {
+      // compact moments' bf16 out in one instruction; everything else is the avx512 path
+      isas.push_back({"avx512bf16", lzo::adamw_avx512, lzo::compact_avx512bf16,
+                      lzo::probe_avx512, true});
+    }
     isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::probe_avx512, true});
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

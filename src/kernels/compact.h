@@ -90,7 +90,9 @@ struct S1 {
   LZO_TARGET static M lti(I a, I b) {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b);
   }
-  LZO_TARGET static bool any_nan(F a) { return a != a; }
+  // Whether out_finite and the moments' NaN-free stores must not take this vector: it holds a
+  // NaN (wider types may add cases they cannot round, e.g. denormals for vcvtneps2bf16).
+  LZO_TARGET static bool needs_fix(F a) { return a != a; }
   LZO_TARGET static F nan_to_default(F a) { return a != a ? bits_f32(0xffc00000u) : a; }
   LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
   LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
@@ -262,7 +264,7 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
     V::storef(param + i, p);
     typename V::I lo, hi;
     hash_v<V>(ctr, lo, hi);
-    if (!V::any_nan(p)) {  // then m and v hold no NaN either: a NaN in m or v makes p NaN
+    if (!V::needs_fix(p)) {  // then m and v hold no NaN either: a NaN in m or v makes p NaN
       if constexpr (O != kNone) V::template out_finite<O>(a.out, i, p);
       V::store_hi16(m16 + i, V::addi(V::asi(m), lo));
       V::store_hi16(v16 + i, V::addi(V::asi(v), hi));
@@ -299,7 +301,7 @@ LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64
     const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
     if constexpr (O != kNone) {
-      if (!V::any_nan(p)) {
+      if (!V::needs_fix(p)) {
         V::template out_finite<O>(a.out, i, p);
       } else {
         V::template out<O>(a.out, i, p);
