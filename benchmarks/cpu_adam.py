@@ -249,8 +249,10 @@ def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type 
 
 def compute_ns_per_param(threads: int = 1, n: int = 16384, calls: int = 2000) -> dict:
     """Each format's arithmetic alone: the step on an L2-resident array (raw extension call,
-    best of 5 rounds), ns per parameter per thread. Against (d)'s time per parameter this says
-    whether a format is bound by memory or by arithmetic on this CPU."""
+    best of 5 rounds), ns per parameter per thread, as wall time and as the calling thread's CPU
+    time (with one thread the kernel runs on the caller, so the latter ignores other processes
+    on a shared machine). Against (d)'s time per parameter this says whether a format is bound
+    by memory or by arithmetic on this CPU."""
     ext = _build.load()
     if ext is None:
         return {}
@@ -263,13 +265,16 @@ def compute_ns_per_param(threads: int = 1, n: int = 16384, calls: int = 2000) ->
         mom = ops.Moments.from_fp32(torch.randn(n) * 1e-3, torch.rand(n) * 1e-6, md)
         args = (p, g16, mom.exp_avg, mom.exp_avg_sq, out, 100, LR, BETAS[0], BETAS[1], EPS, WD,
                 True, SCALE, threads, mom.exp_avg_scales, mom.exp_avg_sq_scales, 0, 0, False)
-        best = float("inf")
+        wall = cpu = float("inf")
         for _ in range(5):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 ext.fused_adamw(*args)
-            best = min(best, (time.perf_counter() - t0) / calls / n * 1e9)
-        res[md] = best
+            c1, t1 = time.thread_time(), time.perf_counter()
+            wall = min(wall, (t1 - t0) / calls / n * 1e9)
+            cpu = min(cpu, (c1 - c0) / calls / n * 1e9)
+        res[md] = wall
+        res[md + "_thread"] = cpu
     return res
 
 
@@ -366,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if "d" in args.parts:
         comp = compute_ns_per_param()
         rows.append({"part": "d", "peer": "compute_ns_per_param_in_L2", **comp})
-        print("# arithmetic alone (L2-resident, 1 thread), ns/param: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in comp.items()))
+        print("# arithmetic alone (L2-resident, 1 thread), ns/param, wall (thread CPU time): "
+              + ", ".join(f"{md} {comp[md]:.3f} ({comp[md + '_thread']:.3f})"
+                          for md in ops.MOMENT_DTYPES if md in comp))
         ao_cls = torchao_adamw8bit()
         if ao_cls is None:
             print("# torchao AdamW8bit: not installed, its rows are skipped")

@@ -36,6 +36,7 @@ struct AdamConsts {
   float beta2;
   float one_minus_beta2;
   float bc2_sqrt;   // sqrt(1 - beta2^step)
+  float inv_bc2;    // 1 / sqrt(1 - beta2^step), rounded once: the compact paths multiply by it
   float neg_step;   // -lr / (1 - beta1^step)
   float eps;
   bool has_wd;
@@ -87,6 +88,7 @@ void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end);
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
+void compact_avx512bf16(const AdamArgs& a, int64_t begin, int64_t end);
 #endif
 
 // Runs the instantiation of an ISA's loop that fits the run-time dtypes. `Loop<G, O>::run` is

@@ -97,55 +97,65 @@ struct V8 {
   LZO_TARGET static I load_u8(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   }
+  LZO_TARGET static I load_s8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   LZO_TARGET static void store_u8(uint8_t* p, I x) {  // lanes hold 0..255
     const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(x, x), _mm256_setzero_si256());
     const __m256i d = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(d));
   }
-  LZO_TARGET static I load_u16(const uint16_t* p) {
-    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) {  // lanes hold 0..65535
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
+  LZO_TARGET static F load_bf16(const uint16_t* p) { return load_grad<kBF16>(p, 0); }
+  LZO_TARGET static void store_hi16(uint16_t* p, I x) {
+    const __m256i h = _mm256_srli_epi32(x, 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
   template <Dtype G>
   LZO_TARGET static F grad(const void* g, int64_t i) { return load_grad<G>(g, i); }
   template <Dtype O>
   LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  template <Dtype O>
+  LZO_TARGET static void out_finite(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
+  LZO_TARGET static bool needs_fix(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   LZO_TARGET static F add(F a, F b) { return _mm256_add_ps(a, b); }
   LZO_TARGET static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   LZO_TARGET static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   LZO_TARGET static F div(F a, F b) { return _mm256_div_ps(a, b); }
   LZO_TARGET static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   LZO_TARGET static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  LZO_TARGET static F floor(F a) { return _mm256_floor_ps(a); }
   LZO_TARGET static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
   LZO_TARGET static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
   LZO_TARGET static I andi(I a, I b) { return _mm256_and_si256(a, b); }
-  LZO_TARGET static I ori(I a, I b) { return _mm256_or_si256(a, b); }
   LZO_TARGET static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  LZO_TARGET static I xor_and(I a, I b, I c) { return _mm256_and_si256(_mm256_xor_si256(a, b), c); }
+  LZO_TARGET static I or_and(I a, I b, I c) { return _mm256_or_si256(a, _mm256_and_si256(b, c)); }
+  LZO_TARGET static I minu(I a, I b) { return _mm256_min_epu32(a, b); }
+  LZO_TARGET static I maxu(I a, I b) { return _mm256_max_epu32(a, b); }
+  LZO_TARGET static uint32_t hmaxu(I a) {
+    __m128i x = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_max_epu32(x, _mm_shuffle_epi32(x, 0xb1));
+    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
+  }
+  LZO_TARGET static M zero_bits(I a, I b) {
+    return _mm256_cmpeq_epi32(_mm256_and_si256(a, b), _mm256_setzero_si256());
+  }
+  LZO_TARGET static M ltf(F a, F b) { return _mm256_castps_si256(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   template <int K>
   LZO_TARGET static I srli(I a) { return _mm256_srli_epi32(a, K); }
   template <int K>
   LZO_TARGET static I slli(I a) { return _mm256_slli_epi32(a, K); }
   LZO_TARGET static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  LZO_TARGET static I mini(I a, I b) { return _mm256_min_epi32(a, b); }
-  LZO_TARGET static I maxi(I a, I b) { return _mm256_max_epi32(a, b); }
   LZO_TARGET static I asi(F a) { return _mm256_castps_si256(a); }
   LZO_TARGET static F asf(I a) { return _mm256_castsi256_ps(a); }
-  LZO_TARGET static F cvtf(I a) { return _mm256_cvtepi32_ps(a); }
-  LZO_TARGET static I cvti(F a) { return _mm256_cvttps_epi32(a); }
   LZO_TARGET static M lti(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
-  LZO_TARGET static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  LZO_TARGET static F nan_to_default(F a) {
+    return _mm256_blendv_ps(a, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffc00000u))),
+                            _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
   LZO_TARGET static I seli(M m, I a, I b) { return _mm256_blendv_epi8(b, a, m); }
   LZO_TARGET static F self(M m, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
-  LZO_TARGET static uint32_t hmaxi(I a) {
-    __m128i x = _mm_max_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0x4e));
-    x = _mm_max_epi32(x, _mm_shuffle_epi32(x, 0xb1));
-    return static_cast<uint32_t>(_mm_cvtsi128_si32(x));
-  }
 };
 
 #include "compact.h"

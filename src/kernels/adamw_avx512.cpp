@@ -1,4 +1,4 @@
-// AVX-512F path, 16 floats per step; chosen at run time (see bindings.cpp).
+// AVX-512F+BW path, 16 floats per step; chosen at run time (see bindings.cpp).
 // Same operations as adam_elem in adamw.h; the tail goes to the scalar path.
 #include "adamw.h"
 
@@ -7,42 +7,13 @@
 
 #include <algorithm>
 
-#define LZO_TARGET __attribute__((target("avx512f,avx2,fma,f16c")))
+#define LZO_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
 
 namespace lzo {
 
 namespace {
 
-template <Dtype G>
-LZO_TARGET inline __m512 load_grad(const void* g, int64_t i) {
-  if constexpr (G == kF32) {
-    return _mm512_loadu_ps(static_cast<const float*>(g) + i);
-  } else {
-    const __m256i h = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(g) + i));
-    if constexpr (G == kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
-  }
-}
-
-template <Dtype O>
-LZO_TARGET inline void store_out(void* out, int64_t i, __m512 x) {
-  __m256i* dst = reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i);
-  if constexpr (O == kF16) {
-    _mm256_storeu_si256(dst, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    r = _mm512_srli_epi32(r, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
-    _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(r));
-  }
-}
+#include "avx512.h"
 
 template <Dtype G, Dtype O>
 LZO_TARGET void update(const AdamArgs& a, int64_t begin, int64_t end) {
@@ -80,69 +51,6 @@ struct Loop {
   static void run(const AdamArgs& a, int64_t begin, int64_t end) { update<G, O>(a, begin, end); }
 };
 
-
-// The vector type of the generic compact-moment code (compact.h): 16 lanes.
-struct V16 {
-  static constexpr int W = 16;
-  using F = __m512;
-  using I = __m512i;
-  using M = __mmask16;
-  LZO_TARGET static F setf(float x) { return _mm512_set1_ps(x); }
-  LZO_TARGET static I seti(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-  LZO_TARGET static I iota() {
-    return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  }
-  LZO_TARGET static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-  LZO_TARGET static void storef(float* p, F x) { _mm512_storeu_ps(p, x); }
-  LZO_TARGET static I load_u8(const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  LZO_TARGET static void store_u8(uint8_t* p, I x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
-  }
-  LZO_TARGET static I load_u16(const uint16_t* p) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
-  }
-  template <Dtype G>
-  LZO_TARGET static F grad(const void* g, int64_t i) { return load_grad<G>(g, i); }
-  template <Dtype O>
-  LZO_TARGET static void out(void* o, int64_t i, F x) { store_out<O>(o, i, x); }
-  LZO_TARGET static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  LZO_TARGET static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  LZO_TARGET static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  LZO_TARGET static F div(F a, F b) { return _mm512_div_ps(a, b); }
-  LZO_TARGET static F sqrt(F a) { return _mm512_sqrt_ps(a); }
-  LZO_TARGET static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  LZO_TARGET static F floor(F a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  }
-  LZO_TARGET static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
-  LZO_TARGET static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
-  LZO_TARGET static I andi(I a, I b) { return _mm512_and_si512(a, b); }
-  LZO_TARGET static I ori(I a, I b) { return _mm512_or_si512(a, b); }
-  LZO_TARGET static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
-  template <int K>
-  LZO_TARGET static I srli(I a) { return _mm512_srli_epi32(a, K); }
-  template <int K>
-  LZO_TARGET static I slli(I a) { return _mm512_slli_epi32(a, K); }
-  LZO_TARGET static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  LZO_TARGET static I mini(I a, I b) { return _mm512_min_epi32(a, b); }
-  LZO_TARGET static I maxi(I a, I b) { return _mm512_max_epi32(a, b); }
-  LZO_TARGET static I asi(F a) { return _mm512_castps_si512(a); }
-  LZO_TARGET static F asf(I a) { return _mm512_castsi512_ps(a); }
-  LZO_TARGET static F cvtf(I a) { return _mm512_cvtepi32_ps(a); }
-  LZO_TARGET static I cvti(F a) { return _mm512_cvttps_epi32(a); }
-  LZO_TARGET static M lti(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
-  LZO_TARGET static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
-  LZO_TARGET static I seli(M m, I a, I b) { return _mm512_mask_blend_epi32(m, b, a); }
-  LZO_TARGET static F self(M m, F a, F b) { return _mm512_mask_blend_ps(m, b, a); }
-  LZO_TARGET static uint32_t hmaxi(I a) {
-    return static_cast<uint32_t>(_mm512_reduce_max_epi32(a));
-  }
-};
 
 #include "compact.h"
 

@@ -33,8 +33,14 @@ std::vector<Isa> detect() {
   std::vector<Isa> isas;  // best first
 #if LZO_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx2") &&
       __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16")) {
+      // compact moments' bf16 out in one instruction; everything else is the avx512 path
+      isas.push_back({"avx512bf16", lzo::adamw_avx512, lzo::compact_avx512bf16,
+                      lzo::probe_avx512, true});
+    }
     isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::probe_avx512, true});
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -287,6 +293,7 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.inv_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   c.neg_step = static_cast<float>(-(lr / bc1));
   c.eps = static_cast<float>(eps);
   const Isa& isa = isas()[g_isa.load()];

@@ -2,16 +2,22 @@
 //
 // Included by each ISA file inside `namespace lzo { namespace { ... } }`, after it defines
 // LZO_TARGET and its vector type (see S1 below for the interface). Every operation here is exact
-// integer arithmetic or a single IEEE float operation (add, mul, div, sqrt, fma, floor), so the
+// integer arithmetic or a single IEEE float operation (add, mul, div, sqrt, fma), so the
 // scalar, AVX2 and AVX-512 instantiations give the same bits; the tail of every vector loop runs
 // the width-1 instantiation (S1) of the same code.
 //
-// The update itself is the fp32 path's (adam_elem) on the dequantized moments; only the stored
-// moments are rounded. Rounding is stochastic (unbiased): round-to-nearest stalls an EMA whose
-// per-step change is below half a unit of the stored precision (v's 0.1% decay with beta2=0.999
-// never moves a bf16 or 8-bit value), so v would stop decaying. The random bits come from a
-// counter-based hash of (key, element index), so they do not depend on threads or SIMD width.
-//
+// The update itself is the fp32 path's (adam_elem) on the dequantized moments, with sqrt(v) / bc2
+// taken as sqrt(v) * (1 / bc2) (see adam_v); only the stored moments are rounded. Rounding is
+// stochastic: round-to-nearest stalls an EMA whose per-step change is below half a unit of the
+// stored precision (v's 0.1% decay with beta2=0.999 never moves a bf16 or 8-bit value), so v
+// would stop decaying. It is unbiased because the bits r added below the kept precision are
+// uniform: x rounds up exactly when its dropped fraction f plus r / 2^16 reaches one unit, which
+// has probability f (bf16 drops 16 bits, all covered by r; the 8-bit codes drop 19-20 bits, r
+// covers the top 16, so the remaining bias is below 2^-16 of a code step). The bits of element j
+// come from a counter-based hash h(j + key), a bijection of 32 bits: as the key varies (one per
+// step and seed) every element's bits are uniform, and they do not depend on threads, SIMD
+// width or how a buffer is cut into calls. NaN moments store x86's default NaN (bf16 0xffc0).
+
 // 8-bit codes (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022: a
 // per-block absmax scale and a non-linear code that keeps small values). Ours is a small float,
 // relative to the block scale, which makes encode and decode a few integer operations:
@@ -37,9 +43,12 @@ struct S1 {
   LZO_TARGET static F loadf(const float* p) { return *p; }
   LZO_TARGET static void storef(float* p, F x) { *p = x; }
   LZO_TARGET static I load_u8(const uint8_t* p) { return *p; }
+  LZO_TARGET static I load_s8(const uint8_t* p) {  // sign-extended
+    return static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(*p)));
+  }
   LZO_TARGET static void store_u8(uint8_t* p, I x) { *p = static_cast<uint8_t>(x); }
-  LZO_TARGET static I load_u16(const uint16_t* p) { return *p; }
-  LZO_TARGET static void store_u16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x); }
+  LZO_TARGET static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  LZO_TARGET static void store_hi16(uint16_t* p, I x) { *p = static_cast<uint16_t>(x >> 16); }
   template <Dtype G>
   LZO_TARGET static F grad(const void* g, int64_t i) {
     if constexpr (G == kF32) return static_cast<const float*>(g)[i];
@@ -52,43 +61,41 @@ struct S1 {
     if constexpr (O == kBF16) static_cast<uint16_t*>(o)[i] = f32_to_bf16(x);
     if constexpr (O == kF16) static_cast<uint16_t*>(o)[i] = f32_to_f16(x);
   }
+  template <Dtype O>  // out of a vector known to hold no NaN (wider types skip their NaN fix)
+  LZO_TARGET static void out_finite(void* o, int64_t i, F x) { out<O>(o, i, x); }
   LZO_TARGET static F add(F a, F b) { return a + b; }
   LZO_TARGET static F sub(F a, F b) { return a - b; }
   LZO_TARGET static F mul(F a, F b) { return a * b; }
   LZO_TARGET static F div(F a, F b) { return a / b; }
   LZO_TARGET static F sqrt(F a) { return std::sqrt(a); }
   LZO_TARGET static F fma(F a, F b, F c) { return std::fma(a, b, c); }
-  LZO_TARGET static F floor(F a) { return std::floor(a); }
   LZO_TARGET static I addi(I a, I b) { return a + b; }
   LZO_TARGET static I subi(I a, I b) { return a - b; }
   LZO_TARGET static I andi(I a, I b) { return a & b; }
-  LZO_TARGET static I ori(I a, I b) { return a | b; }
   LZO_TARGET static I xori(I a, I b) { return a ^ b; }
+  LZO_TARGET static I xor_and(I a, I b, I c) { return (a ^ b) & c; }
+  LZO_TARGET static I or_and(I a, I b, I c) { return a | (b & c); }
+  LZO_TARGET static I minu(I a, I b) { return a < b ? a : b; }
+  LZO_TARGET static I maxu(I a, I b) { return a > b ? a : b; }
+  LZO_TARGET static uint32_t hmaxu(I a) { return a; }
+  LZO_TARGET static M zero_bits(I a, I b) { return (a & b) == 0; }
+  LZO_TARGET static M ltf(F a, F b) { return a < b; }
   template <int K>
   LZO_TARGET static I srli(I a) { return a >> K; }
   template <int K>
   LZO_TARGET static I slli(I a) { return a << K; }
   LZO_TARGET static I mullo(I a, I b) { return a * b; }
-  LZO_TARGET static I mini(I a, I b) {  // signed, as vpminsd
-    return static_cast<int32_t>(a) < static_cast<int32_t>(b) ? a : b;
-  }
-  LZO_TARGET static I maxi(I a, I b) {
-    return static_cast<int32_t>(a) > static_cast<int32_t>(b) ? a : b;
-  }
   LZO_TARGET static I asi(F a) { return f32_bits(a); }
   LZO_TARGET static F asf(I a) { return bits_f32(a); }
-  LZO_TARGET static F cvtf(I a) { return static_cast<float>(static_cast<int32_t>(a)); }
-  LZO_TARGET static I cvti(F a) {  // truncation with x86's answer (0x80000000) out of range
-    if (!(a > -2147483904.0f && a < 2147483648.0f)) return 0x80000000u;
-    return static_cast<uint32_t>(static_cast<int32_t>(a));
-  }
   LZO_TARGET static M lti(I a, I b) {
     return static_cast<int32_t>(a) < static_cast<int32_t>(b);
   }
-  LZO_TARGET static M isnan(F a) { return a != a; }
+  // Whether out_finite and the moments' NaN-free stores must not take this vector: it holds a
+  // NaN (wider types may add cases they cannot round, e.g. denormals for vcvtneps2bf16).
+  LZO_TARGET static bool needs_fix(F a) { return a != a; }
+  LZO_TARGET static F nan_to_default(F a) { return a != a ? bits_f32(0xffc00000u) : a; }
   LZO_TARGET static I seli(M m, I a, I b) { return m ? a : b; }
   LZO_TARGET static F self(M m, F a, F b) { return m ? a : b; }
-  LZO_TARGET static uint32_t hmaxi(I a) { return a; }
 };
 
 // Weight-decay form and lerp formula, fixed per loop instantiation (no branches in the loop).
@@ -102,15 +109,18 @@ inline int mode_of(const AdamConsts& c) {
 // The per-step constants, broadcast.
 template <class V>
 struct VConsts {
-  typename V::F gs, decay, wd, lw, b2, omb2, bc2, ns, eps;
+  typename V::F gs, decay, wd, lw, b2, omb2, ibc2, ns, eps;
   LZO_TARGET explicit VConsts(const AdamConsts& c)
       : gs(V::setf(c.grad_scale)), decay(V::setf(c.decay)), wd(V::setf(c.wd)),
         lw(V::setf(c.lerp_small ? c.lerp_w : c.lerp_w1)), b2(V::setf(c.beta2)),
-        omb2(V::setf(c.one_minus_beta2)), bc2(V::setf(c.bc2_sqrt)), ns(V::setf(c.neg_step)),
+        omb2(V::setf(c.one_minus_beta2)), ibc2(V::setf(c.inv_bc2)), ns(V::setf(c.neg_step)),
         eps(V::setf(c.eps)) {}
 };
 
-// adam_elem's operations, in its order; returns sqrt(v) (the 8-bit code stores it).
+// adam_elem's operations, in its order, but for one: sqrt(v) / bc2 is sqrt(v) * (1 / bc2) (one
+// more rounding, 2^-24 relative, far below the stored moments' own), which takes one of the
+// three divider operations (sqrt, two divisions) off the loop: on AVX-512 they bound it.
+// Returns sqrt(v) (the 8-bit code stores it).
 template <class V, int Md>
 LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typename V::F& p,
                                        typename V::F& m, typename V::F& v) {
@@ -121,33 +131,39 @@ LZO_TARGET inline typename V::F adam_v(const VConsts<V>& k, typename V::F g, typ
   m = V::fma(k.lw, d, (Md & kLerpLarge) ? g : m);
   v = V::fma(V::mul(k.omb2, g), g, V::mul(v, k.b2));
   const typename V::F sq = V::sqrt(v);
-  const typename V::F denom = V::add(V::div(sq, k.bc2), k.eps);
+  const typename V::F denom = V::add(V::mul(sq, k.ibc2), k.eps);
   p = V::add(p, V::div(V::mul(k.ns, m), denom));
   return sq;
 }
 
-// lowbias32 (a public-domain integer hash by C. Wellons): 32 well-mixed bits per counter.
+// The rounding bits of element j (index in the whole buffer) in a step with key k: h(j + k mod
+// 2^32), h a bijection of 32 bits (two odd multiplies and two xor-shifts), so over keys each
+// element's 32 bits are uniform, as stochastic rounding needs. The low 16 bits of h round
+// exp_avg (lo), the high 16 bits exp_avg_sq (hi); the last xor-shift leaves the high half as it
+// was, so hi is the shift itself and lo one ternary op. Loops keep the counter j + k as a vector
+// and step it by W.
 template <class V>
-LZO_TARGET inline typename V::I hash_v(typename V::I x) {
-  x = V::xori(x, V::template srli<16>(x));
+LZO_TARGET inline void hash_v(typename V::I x, typename V::I& lo, typename V::I& hi) {
   x = V::mullo(x, V::seti(0x7feb352du));
   x = V::xori(x, V::template srli<15>(x));
   x = V::mullo(x, V::seti(0x846ca68bu));
-  return V::xori(x, V::template srli<16>(x));
+  hi = V::template srli<16>(x);
+  lo = V::xor_and(x, hi, V::seti(0xffffu));
 }
 
-// Random bits of elements [i, i + W): low 16 bits round exp_avg, high 16 bits exp_avg_sq.
+// The counter vector of elements [i, i + W).
 template <class V>
-LZO_TARGET inline typename V::I rand_v(uint32_t key, int64_t offset, int64_t i) {
-  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i));
-  return hash_v<V>(V::xori(V::addi(V::seti(base), V::iota()), V::seti(key)));
+LZO_TARGET inline typename V::I counter_v(uint32_t key, int64_t offset, int64_t i) {
+  const uint32_t base = static_cast<uint32_t>(static_cast<uint64_t>(offset + i)) + key;
+  return V::addi(V::seti(base), V::iota());
 }
 
-// fp32 -> bf16 bits, stochastically rounded with 16 random bits r16 (NaN -> quiet NaN 0x7fc0).
+// fp32 -> bf16 bits in the high half, stochastically rounded with 16 random bits r16. A NaN is
+// first made x86's default NaN (0xffc00000, one vfixupimm), which no r16 can carry out of: every
+// NaN stores 0xffc0.
 template <class V>
 LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
-  const typename V::I q = V::template srli<16>(V::addi(V::asi(x), r16));
-  return V::seli(V::isnan(x), V::seti(0x7fc0u), q);
+  return V::addi(V::asi(V::nan_to_default(x)), r16);
 }
 
 // Non-negative x (in units of the block scale) -> E4Mb code with rounding bits r16 (uniform in
@@ -157,14 +173,14 @@ LZO_TARGET inline typename V::I to_bf16_sr(typename V::F x, typename V::I r16) {
 // the subnormal step, and the result shifted back by one binade's worth of codes (2^Mb).
 template <class V, int Mb>
 LZO_TARGET inline typename V::I enc_mag(typename V::F x, typename V::I r16) {
-  // |x|: a NaN made by 0 * inf may carry a sign; dropping it keeps every code in [0, max].
-  const typename V::I ax = V::andi(V::asi(x), V::seti(0x7fffffffu));
-  const typename V::M sub = V::lti(ax, V::seti(113u << 23));
-  const typename V::F y = V::self(sub, V::add(V::asf(ax), V::setf(0x1p-14f)), V::asf(ax));
+  // x >= +0 or NaN (a NaN made by 0 * inf may carry a sign: its code is the largest either way,
+  // and the block's scale is NaN).
+  const typename V::M sub = V::ltf(x, V::setf(0x1p-14f));
+  const typename V::F y = V::self(sub, V::add(x, V::setf(0x1p-14f)), x);
   const typename V::I q = V::subi(
       V::template srli<23 - Mb>(V::addi(V::asi(y), V::template slli<7 - Mb>(r16))),
       V::seli(sub, V::seti((112u << Mb) + (1u << Mb)), V::seti(112u << Mb)));
-  return V::mini(q, V::seti((1u << (4 + Mb)) - 1u));
+  return V::minu(q, V::seti((1u << (4 + Mb)) - 1u));
 }
 
 template <class V, int Mb>
@@ -178,18 +194,23 @@ LZO_TARGET inline typename V::F dec_mag(typename V::I c) {
 constexpr float kMaxM = 1.875f;   // largest E4M3 magnitude
 constexpr float kMaxS = 1.9375f;  // largest E4M4 value
 
+// exp_avg codes, read sign-extended (the sign then fills the lane's top bits): the magnitude
+// decoded as dec_mag<3> does, the sign put back on it, times the block scale.
 template <class V>
 LZO_TARGET inline typename V::F dec_m(typename V::I c, typename V::F scale) {
-  const typename V::F mag = dec_mag<V, 3>(V::andi(c, V::seti(0x7fu)));
-  const typename V::I sign = V::template slli<24>(V::andi(c, V::seti(0x80u)));
-  return V::mul(V::asf(V::ori(V::asi(mag), sign)), scale);
+  const typename V::M sub = V::zero_bits(c, V::seti(0x78u));  // exponent 0: a subnormal code
+  const typename V::I c1 = V::seli(sub, V::addi(c, V::seti(8u)), c);
+  const typename V::F x = V::asf(V::addi(V::andi(V::template slli<20>(c1), V::seti(0x07f00000u)),
+                                         V::seti(112u << 23)));
+  const typename V::F mag = V::self(sub, V::sub(x, V::setf(0x1p-14f)), x);
+  return V::mul(V::asf(V::or_and(V::asi(mag), c, V::seti(0x80000000u))), scale);
 }
 
 template <class V>
 LZO_TARGET inline typename V::I enc_m(typename V::F m, typename V::F inv, typename V::I r16) {
   const typename V::I bits = V::asi(m);
   const typename V::F mag = V::mul(V::asf(V::andi(bits, V::seti(0x7fffffffu))), inv);
-  return V::ori(enc_mag<V, 3>(mag, r16), V::template srli<24>(V::andi(bits, V::seti(0x80000000u))));
+  return V::or_and(enc_mag<V, 3>(mag, r16), V::template srli<24>(bits), V::seti(0x80u));
 }
 
 // Scale (dequantization multiplier) and its inverse for a block from the max of |x|'s bits.
@@ -232,18 +253,26 @@ LZO_TARGET void run_bf16(const Ptrs& ap, const AdamConsts& c, int64_t begin, int
   float* __restrict param = a.p;
   uint16_t* __restrict m16 = static_cast<uint16_t*>(a.mc);
   uint16_t* __restrict v16 = static_cast<uint16_t*>(a.vc);
-  const typename V::I lo = V::seti(0xffffu);
+  const typename V::I step = V::seti(V::W);
+  typename V::I ctr = counter_v<V>(a.key, a.offset, begin);
   int64_t i = begin;
-  for (; i + V::W <= end; i += V::W) {
+  for (; i + V::W <= end; i += V::W, ctr = V::addi(ctr, step)) {
     typename V::F p = V::loadf(param + i);
-    typename V::F m = V::asf(V::template slli<16>(V::load_u16(m16 + i)));
-    typename V::F v = V::asf(V::template slli<16>(V::load_u16(v16 + i)));
+    typename V::F m = V::load_bf16(m16 + i);
+    typename V::F v = V::load_bf16(v16 + i);
     adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
-    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
-    const typename V::I r = rand_v<V>(a.key, a.offset, i);
-    V::store_u16(m16 + i, to_bf16_sr<V>(m, V::andi(r, lo)));
-    V::store_u16(v16 + i, to_bf16_sr<V>(v, V::template srli<16>(r)));
+    typename V::I lo, hi;
+    hash_v<V>(ctr, lo, hi);
+    if (!V::needs_fix(p)) {  // then m and v hold no NaN either: a NaN in m or v makes p NaN
+      if constexpr (O != kNone) V::template out_finite<O>(a.out, i, p);
+      V::store_hi16(m16 + i, V::addi(V::asi(m), lo));
+      V::store_hi16(v16 + i, V::addi(V::asi(v), hi));
+    } else {
+      if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+      V::store_hi16(m16 + i, to_bf16_sr<V>(m, lo));
+      V::store_hi16(v16 + i, to_bf16_sr<V>(v, hi));
+    }
   }
   if constexpr (V::W > 1) {
     if (i < end) run_bf16<S1, G, O, Md>(a, c, i, end);
@@ -266,21 +295,28 @@ LZO_TARGET void q8_update(const Ptrs& ap, const VConsts<V>& k, int64_t bs, int64
   typename V::I mx = V::seti(0u), sx = V::seti(0u);
   for (; i + V::W <= be; i += V::W) {
     typename V::F p = V::loadf(param + i);
-    typename V::F m = dec_m<V>(V::load_u8(m8 + i), scm);
+    typename V::F m = dec_m<V>(V::load_s8(m8 + i), scm);
     const typename V::F s = V::mul(dec_mag<V, 4>(V::load_u8(v8 + i)), scv);
     typename V::F v = V::mul(s, s);
     const typename V::F sq = adam_v<V, Md>(k, V::template grad<G>(a.g, i), p, m, v);
     V::storef(param + i, p);
-    if constexpr (O != kNone) V::template out<O>(a.out, i, p);
+    if constexpr (O != kNone) {
+      if (!V::needs_fix(p)) {
+        V::template out_finite<O>(a.out, i, p);
+      } else {
+        V::template out<O>(a.out, i, p);
+      }
+    }
     V::storef(mb + (i - bs), m);
     V::storef(sb + (i - bs), sq);
-    // max of |x| as integers: exact, order-free, and >= 0x7f800000 iff a value is not finite
-    mx = V::maxi(mx, V::andi(V::asi(m), abs));
-    sx = V::maxi(sx, V::andi(V::asi(sq), abs));
+    // max of |x| as unsigned integers: exact, order-free, and >= 0x7f800000 iff a value is not
+    // finite. sqrt(v) is +0, positive or NaN (v >= +0), so its bits need no mask.
+    mx = V::maxu(mx, V::andi(V::asi(m), abs));
+    sx = V::maxu(sx, V::asi(sq));
   }
   ir = i;
-  mmax = std::max(mmax, V::hmaxi(mx));
-  smax = std::max(smax, V::hmaxi(sx));
+  mmax = std::max(mmax, V::hmaxu(mx));
+  smax = std::max(smax, V::hmaxu(sx));
 }
 
 template <class V>
@@ -291,12 +327,13 @@ LZO_TARGET void q8_store(const Ptrs& ap, int64_t bs, int64_t be, int64_t& ir, fl
   uint8_t* __restrict m8 = static_cast<uint8_t*>(a.mc);
   uint8_t* __restrict v8 = static_cast<uint8_t*>(a.vc);
   const typename V::F invm = V::setf(im), invv = V::setf(iv);
-  const typename V::I lo = V::seti(0xffffu);
-  for (; i + V::W <= be; i += V::W) {
-    const typename V::I r = rand_v<V>(a.key, a.offset, i);
-    V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, V::andi(r, lo)));
-    V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv),
-                                      V::template srli<16>(r)));
+  const typename V::I step = V::seti(V::W);
+  typename V::I ctr = counter_v<V>(a.key, a.offset, i);
+  for (; i + V::W <= be; i += V::W, ctr = V::addi(ctr, step)) {
+    typename V::I lo, hi;
+    hash_v<V>(ctr, lo, hi);
+    V::store_u8(m8 + i, enc_m<V>(V::loadf(mb + (i - bs)), invm, lo));
+    V::store_u8(v8 + i, enc_mag<V, 4>(V::mul(V::loadf(sb + (i - bs)), invv), hi));
   }
   ir = i;
 }

@@ -36,15 +36,22 @@ def fused_adamw_reference_(
     """Same operation order as ``torch.optim.AdamW``/``Adam`` (single-tensor path), in fp32.
 
     Compact moments (bf16, or uint8 codes with per-block scales; see ``ops.moments``) are
-    dequantized, updated by the same fp32 step and stored back with the kernel's stochastic
+    dequantized, updated by the same fp32 step (but for sqrt(v) * float(1 / bc2) in place of
+    sqrt(v) / bc2, as the compact kernel computes it) and stored back with the kernel's stochastic
     rounding (rounding key ``key``, counter ``offset + i``). Matches the C++ kernel bit for bit.
     """
+    hp = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+              decoupled=decoupled, grad_scale=grad_scale, out=out)
     if exp_avg.dtype != torch.float32:
         _compact_(param, grad, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales, key,
-                  offset, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                  weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
-                  out=out)
+                  offset, **hp)
         return
+    _step_fp32_(param, grad, exp_avg, exp_avg_sq, compact=False, **hp)
+
+
+def _step_fp32_(param, grad, exp_avg, exp_avg_sq, *, compact: bool, step, lr, beta1, beta2, eps,
+                weight_decay, decoupled, grad_scale, out) -> None:
+    # compact: the compact kernel's one departure, sqrt(v) * float(1 / bc2) for sqrt(v) / bc2
     g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
     if weight_decay != 0.0:
         if decoupled:
@@ -57,7 +64,9 @@ def fused_adamw_reference_(
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     # torch's vectorized float sqrt is not always correctly rounded; the kernel's is (IEEE), and
     # a float64 sqrt rounded to float32 is too, so the two agree bit for bit.
-    denom = (exp_avg_sq.double().sqrt().float() / bias_correction2_sqrt).add_(eps)
+    sq = exp_avg_sq.double().sqrt().float()
+    denom = (sq * (1.0 / bias_correction2_sqrt) if compact else sq / bias_correction2_sqrt)
+    denom.add_(eps)
     param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
     if out is not None:
         out.copy_(param)
@@ -72,7 +81,7 @@ def _compact_(param, grad, exp_avg, exp_avg_sq, m_scales, v_scales, key, offset,
         m, v = exp_avg.float(), exp_avg_sq.float()
     else:
         m, v = _mom.decode_q8(exp_avg, m_scales, exp_avg_sq, v_scales)
-    fused_adamw_reference_(param, grad, m, v, **hp)
+    _step_fp32_(param, grad, m, v, compact=True, **hp)
     r = _mom.random_bits(key, offset, param.numel())
     if exp_avg.dtype == torch.bfloat16:
         exp_avg.copy_(_mom.encode_bf16(m, r & 0xFFFF))

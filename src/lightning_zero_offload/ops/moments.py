@@ -99,7 +99,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
+    # The kernel's per-element hash (compact.h, hash_v): a bijection of 32 bits.
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
     x = _mul32(x, 0x846CA68B)
@@ -107,9 +107,10 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(key: int, offset: int, numel: int) -> torch.Tensor:
-    """The kernel's 32 random bits of elements ``offset .. offset + numel - 1`` (int64)."""
-    idx = (torch.arange(numel, dtype=torch.int64) + offset) & _MASK
-    return _hash32(idx ^ key)
+    """The kernel's 32 random bits of elements ``offset .. offset + numel - 1`` (int64): the
+    hash of ``(index + key) mod 2^32``."""
+    idx = (torch.arange(numel, dtype=torch.int64) + offset + key) & _MASK
+    return _hash32(idx)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -206,9 +207,10 @@ def decode_q8(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tens
 
 
 def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16, stochastically rounded with 16 random bits per element (NaN -> 0x7fc0)."""
+    """fp32 -> bf16, stochastically rounded with 16 random bits per element (NaN -> 0xffc0,
+    x86's default NaN, as the kernel stores it)."""
     q = ((_bits(x) + r16) & _MASK) >> 16
-    q = torch.where(torch.isnan(x), 0x7FC0, q)
+    q = torch.where(torch.isnan(x), 0xFFC0, q)
     return torch.where(q >= 2**15, q - 2**16, q).to(torch.int16).view(torch.bfloat16)
 
 
