@@ -261,7 +261,10 @@ def test_two_ranks_equal_one_rank_int8() -> None:
     p1 = _flat(one.module)
     m1 = one.full_state_dict()["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(two[0][0], two[1][0])  # the ranks agree exactly
-    assert _rel(two[0][0], p1) < 1e-5
+    # A flipped rounding moves one 8-bit code by a step (1/8 to 1/16 of its value): 1e-5 was
+    # met or missed by the draw of the random stream (1.5e-5 seen); rounding per rank instead
+    # of per place in the model gives 1.1e-3.
+    assert _rel(two[0][0], p1) < 5e-5
     assert _rel(two[0][1], m1) < 1e-3
 
 
