@@ -99,18 +99,29 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1]})
     k = 10  # a 10-step running mean, so the curves can be told apart
+
+    def smooth(c: list[float]) -> list[float]:
+        return [sum(c[max(0, i - k + 1): i + 1]) / len(c[max(0, i - k + 1): i + 1])
+                for i in range(len(c))]
+
+    base = smooth(curves["fp32"])
     for run, c in curves.items():
-        smooth = [sum(c[max(0, i - k + 1): i + 1]) / len(c[max(0, i - k + 1): i + 1])
-                  for i in range(len(c))]
-        ax.plot(range(1, len(c) + 1), smooth, label=RUNS[run][1], linewidth=1.2,
-                linestyle="--" if run in ("torch-adamw", "torchao-adamw8bit") else "-")
-    ax.set_xlabel("step")
+        style = "--" if run in ("torch-adamw", "torchao-adamw8bit") else "-"
+        sc = smooth(c)
+        ax.plot(range(1, len(c) + 1), sc, label=RUNS[run][1], linewidth=1.2, linestyle=style)
+        # the curves nearly coincide: the lower panel shows how far each is from fp32
+        dx.plot(range(1, len(c) + 1), [100 * (a / b - 1) for a, b in zip(sc, base, strict=True)],
+                linewidth=1.0, linestyle=style)
     ax.set_ylabel(f"training loss ({k}-step running mean)")
     ax.set_title("lightning_gpt.py tiny: Adam moments per format, engine and peers")
     ax.legend()
     ax.grid(alpha=0.3)
+    dx.set_xlabel("step")
+    dx.set_ylabel("vs engine fp32 (%)")
+    dx.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(a.figure, dpi=120)
     print(f"\nfigure: {a.figure}")

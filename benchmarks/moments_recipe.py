@@ -102,19 +102,26 @@ def plot(results: dict[tuple[str, int], dict], seed: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True,
+                                 gridspec_kw={"height_ratios": [2, 1]})
+    base = results["fp32", seed]["train_losses"]
+    every = results["fp32", seed]["logging_steps"]
     for md in DTYPES:
         r = results[md, seed]
-        every = r["logging_steps"]
         losses = r["train_losses"]
-        ax.plot([every * (i + 1) for i in range(len(losses))], losses, linewidth=1.2,
-                label=f"{md} moments: held-out acc {r['accuracy']:.3f}")
+        x = [every * (i + 1) for i in range(len(losses))]
+        ax.plot(x, losses, linewidth=1.2, label=f"{md} moments: held-out acc {r['accuracy']:.3f}")
+        # the curves lie on top of each other: the lower panel shows how far apart they are
+        dx.plot(x, [100 * (a / b - 1) for a, b in zip(losses, base, strict=True)],
+                linewidth=1.2, label=md)
     ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel(f"training loss (mean of each {every} steps)")
     ax.set_title(f"hf_trainer_classification.py (MiniLM-L6) per moment_dtype, seed {seed}")
     ax.legend()
     ax.grid(alpha=0.3, which="both")
+    dx.set_xlabel("optimizer step")
+    dx.set_ylabel("vs fp32 (%)")
+    dx.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
