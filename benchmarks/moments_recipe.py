@@ -73,7 +73,7 @@ def table(results: dict[tuple[str, int], dict], seeds: list[int], window: int) -
             d_acc, ratio = r["accuracy"] - base["accuracy"], final_loss(r, window) / base_loss
             summary[md].append((d_acc, ratio))
             lines.append(f"| {md} | {seed} | {r['steps']} | {r['accuracy']:.4f} | "
-                         f"{100 * d_acc:+.2f} | {final_loss(r, window):.4f} | {ratio:.4f} | "
+                         f"{100 * d_acc:+.2f} | {final_loss(r, window):.4g} | {ratio:.4f} | "
                          f"{r['eval_loss_after']:.4f} | {r['seconds']:.0f} | "
                          f"{verdict(md, d_acc, ratio)} |")
     if len(seeds) > 1:
