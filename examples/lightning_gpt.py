@@ -9,6 +9,11 @@ tokens/s and the peak device and host memory.
     .venv/bin/python examples/lightning_gpt.py             # about a minute on a 2-core CPU
     .venv/bin/python examples/lightning_gpt.py --size 300m --precision bf16-mixed --steps 200
     .venv/bin/python examples/lightning_gpt.py --devices 2 # data parallel, gradients partitioned
+    .venv/bin/python examples/lightning_gpt.py --no-zero-offload --optimizer torchao-adamw8bit
+
+The last one is a peer for ``benchmarks/moments_convergence.py``: the same model, data and steps
+without the engine (plain Lightning), with torchao's ``AdamW8bit`` (``--optimizer adamw`` there
+is the stock ``torch.optim.AdamW``, the exact reference).
 
 (``python3 tasks.py train ARGS`` runs it in the ``.venv`` that ``tasks.py`` makes.) At the end it
 also prints the offload profile's summary: where the step time went.
@@ -73,8 +78,18 @@ class ByteText(Dataset):
         return self.data[start : start + self.seq_len + 1]
 
 
+def torchao_adamw8bit() -> type:
+    """torchao's block-wise 8-bit AdamW (a peer; the engine itself takes torch.optim.AdamW)."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise SystemExit(f"--optimizer torchao-adamw8bit needs torchao ({e}): pip install "
+                         "torchao") from None
+    return AdamW8bit
+
+
 class GPT(LightningModule):
-    def __init__(self, size: str, seq_len: int, lr: float) -> None:
+    def __init__(self, size: str, seq_len: int, lr: float, optimizer: str = "adamw") -> None:
         super().__init__()
         self.save_hyperparameters()
         hidden, layers, heads = SIZES[size]
@@ -97,21 +112,36 @@ class GPT(LightningModule):
         return loss
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        cls = torchao_adamw8bit() if self.hparams.optimizer == "torchao-adamw8bit" else (
+            torch.optim.AdamW)
+        optimizer = cls(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
         warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
 class Throughput(Callback):
-    """Tokens per second over the steps after ``warmup``, and the peak host RSS."""
+    """Tokens per second over the steps after ``warmup``, each batch's wall time, and the peak
+    host RSS."""
 
     def __init__(self, tokens_per_batch: int, warmup: int = 3) -> None:
         self.tokens_per_batch, self.warmup = tokens_per_batch, warmup
         self.batches, self.start = 0, None
         self.peak_rss = 0
         self.process = psutil.Process()
+        self.batch_seconds: list[float] = []
+        self._last = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._last is None:  # the first batch: from its start (no previous end)
+            self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        # end to end: the data loading of the next batch counts too, as in tokens/s
+        self.batch_seconds.append(now - self._last)
+        self._last = now
         self.peak_rss = max(self.peak_rss, self.process.memory_info().rss)
         if trainer.global_step == self.warmup and self.start is None:
             if torch.cuda.is_available():
@@ -197,8 +227,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delayed-update", action="store_true", help="delayed parameter update")
     parser.add_argument("--moment-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                         help="how the host keeps the Adam moments (fp32: exact AdamW)")
-    parser.add_argument("--loss-csv", help="write each step's training loss to this CSV file")
+    parser.add_argument("--no-zero-offload", action="store_true",
+                        help="plain Lightning without the engine (a peer for the benchmarks)")
+    parser.add_argument("--optimizer", choices=["adamw", "torchao-adamw8bit"], default="adamw",
+                        help="torch.optim.AdamW, or torchao's AdamW8bit (needs --no-zero-offload)")
+    parser.add_argument("--loss-csv", help="write each step's training loss and wall time "
+                                           "(seconds, end of the previous step to end of this) "
+                                           "to this CSV file")
     args = parser.parse_args(argv)
+    if not args.no_zero_offload and args.optimizer != "adamw":
+        parser.error(f"argument --optimizer: {args.optimizer} runs without the engine (which "
+                     "takes torch.optim.AdamW); add --no-zero-offload")
+    if args.no_zero_offload and args.moment_dtype != "fp32":
+        parser.error(f"argument --moment-dtype: {args.moment_dtype} moments need the engine; "
+                     "drop --no-zero-offload")
     gpus = torch.cuda.device_count()
     if gpus and args.devices > gpus:
         parser.error(f"argument --devices: {args.devices} GPUs asked for, {gpus} visible")
@@ -213,10 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     batches = args.steps * args.accumulate * args.devices
     dataset = ByteText(args.seq_len, num_samples=batches * args.batch_size)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    model = GPT(args.size, args.seq_len, args.lr)
+    model = GPT(args.size, args.seq_len, args.lr, args.optimizer)
     params = sum(p.numel() for p in model.parameters())
-    strategy = ZeroOffloadStrategy(delayed_update=args.delayed_update,
-                                   moment_dtype=args.moment_dtype)
+    strategy = "auto" if args.no_zero_offload else ZeroOffloadStrategy(
+        delayed_update=args.delayed_update, moment_dtype=args.moment_dtype)
     losses = LossLog()
     throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices)
     summary = OffloadSummary()
@@ -238,9 +280,12 @@ def main(argv: list[str] | None = None) -> None:
 
     peak_host = max(throughput.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if trainer.is_global_zero:
+        optimizer = type(trainer.optimizers[0]).__name__
+        engine = (f"{trainer.strategy.config.moment_dtype} moments" if not args.no_zero_offload
+                  else f"no engine, {type(trainer.strategy).__name__}")
         print(
             f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "
-            f"{trainer.strategy.config.moment_dtype} moments, {args.devices} x {accelerator}, "
+            f"{optimizer} ({engine}), {args.devices} x {accelerator}, "
             f"{args.steps} steps, "
             "final loss "
             f"{float(trainer.callback_metrics['loss']):.3f}"
@@ -252,10 +297,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print("peak device memory: n/a (no CUDA device; the CPU is the compute device)")
         print(f"peak host memory: {peak_host / 2**30:.2f} GiB RSS (rank 0)")
-        print(format_summary(summary.records))
+        if summary.records:
+            print(format_summary(summary.records))
         if args.loss_csv:
-            Path(args.loss_csv).write_text(
-                "step,loss\n" + "".join(f"{i + 1},{x:.6f}\n" for i, x in enumerate(losses.losses)))
+            # one wall time per optimizer step: the last batch of each accumulation window ends it
+            k = args.accumulate
+            seconds = [sum(throughput.batch_seconds[i : i + k])
+                       for i in range(0, len(throughput.batch_seconds), k)]
+            rows = zip(losses.losses, seconds, strict=True)
+            Path(args.loss_csv).write_text("step,loss,step_s\n" + "".join(
+                f"{i + 1},{x:.6f},{t:.6f}\n" for i, (x, t) in enumerate(rows)))
     sys.stdout.flush()
 
 

@@ -87,3 +87,42 @@ def test_engine_cpu_speed_runs_each_model_and_precision(model: str, precision: s
     assert out.returncode == 0, out.stderr
     speed = json.loads(out.stdout)["speed"]
     assert speed["step_time_ratio"] > 0 and speed["median_s"]["engine"]["fwd_bwd"] > 0
+
+
+def _recipe_result(accuracy: float, losses: list[float]) -> dict:
+    return {"accuracy": accuracy, "train_losses": losses, "steps": 10 * len(losses),
+            "logging_steps": 10, "eval_loss_after": 0.4, "seconds": 1.0}
+
+
+def test_moments_recipe_table_pairs_each_format_with_fp32_and_flags_misses(tmp_path: Path):
+    # fp32's last two logged losses average 0.2; bf16 is 0.5% above (within 1%), int8 5% above
+    # (outside 3%) and 2 points less accurate (outside 1 point)
+    runs = {"fp32": (0.90, [0.9, 0.3, 0.1]), "bf16": (0.90, [0.9, 0.301, 0.101]),
+            "int8": (0.88, [0.9, 0.31, 0.11])}
+    for md, (acc, losses) in runs.items():
+        (tmp_path / f"{md}-seed0.json").write_text(json.dumps(_recipe_result(acc, losses)))
+    out = _run("moments_recipe.py", "--reuse", "--json-dir", str(tmp_path), "--window", "2",
+               "--figure", str(tmp_path / "r.png"))
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out.splitlines()
+            if line.startswith("| ") and "seed" not in line}
+    assert rows["bf16"][6] == "1.0050" and "loss within 1%: yes" in rows["bf16"][9]
+    assert rows["int8"][4] == "-2.00" and rows["int8"][6] == "1.0500"
+    assert "loss within 3%: NO; acc within 1 point: NO" in rows["int8"][9]
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_moments_convergence_table_has_the_peers_beside_the_engine(tmp_path: Path):
+    for run, scale, step_s in (("fp32", 1.0, 0.2), ("bf16", 1.0, 0.2), ("int8", 1.02, 0.2),
+                               ("torch-adamw", 1.0, 0.1), ("torchao-adamw8bit", 1.1, 0.3)):
+        rows = "".join(f"{i + 1},{scale * (3 - 0.1 * i):.6f},{100.0 if i < 7 else step_s}\n"
+                       for i in range(12))
+        (tmp_path / f"{run}.csv").write_text("step,loss,step_s\n" + rows)
+    out = _run("moments_convergence.py", "--reuse", "--csv-dir", str(tmp_path), "--window", "2",
+               "--skip", "7", "--figure", str(tmp_path / "c.png"))
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| run")}
+    assert rows["torchao-adamw8bit"][1] == "no engine, torchao AdamW8bit"
+    assert rows["torchao-adamw8bit"][3] == "1.1000" and rows["int8"][3] == "1.0200"
+    # the first 7 steps (compilation: most of the run) are left out: 300 ms, 1.5x fp32's
+    assert rows["torchao-adamw8bit"][5] == "300.0" and rows["torchao-adamw8bit"][6] == "1.500 |"
+    assert rows["torch-adamw"][6] == "0.500 |"
