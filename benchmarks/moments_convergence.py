@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 # run name -> (the example's flags, what the table says about it)
@@ -51,11 +52,6 @@ def read(path: Path) -> tuple[list[float], list[float]]:
     with path.open() as f:
         rows = list(csv.DictReader(f))
     return [float(r["loss"]) for r in rows], [float(r["step_s"]) for r in rows]
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -120,11 +120,12 @@ class GPT(LightningModule):
 
 
 class Throughput(Callback):
-    """Tokens per second over the steps after ``warmup``, each batch's wall time, and the peak
-    host RSS."""
+    """Tokens per second over the steps after ``warmup``, the peak host RSS and, with
+    ``time_batches``, each batch's wall time (a device sync per batch: only when asked for)."""
 
-    def __init__(self, tokens_per_batch: int, warmup: int = 3) -> None:
+    def __init__(self, tokens_per_batch: int, warmup: int = 3, time_batches: bool = False) -> None:
         self.tokens_per_batch, self.warmup = tokens_per_batch, warmup
+        self.time_batches = time_batches
         self.batches, self.start = 0, None
         self.peak_rss = 0
         self.process = psutil.Process()
@@ -132,16 +133,17 @@ class Throughput(Callback):
         self._last = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._last is None:  # the first batch: from its start (no previous end)
+        if self.time_batches and self._last is None:  # the first batch: from its start
             self._last = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        # end to end: the data loading of the next batch counts too, as in tokens/s
-        self.batch_seconds.append(now - self._last)
-        self._last = now
+        if self.time_batches:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            # end to end: the data loading of the next batch counts too, as in tokens/s
+            self.batch_seconds.append(now - self._last)
+            self._last = now
         self.peak_rss = max(self.peak_rss, self.process.memory_info().rss)
         if trainer.global_step == self.warmup and self.start is None:
             if torch.cuda.is_available():
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     strategy = "auto" if args.no_zero_offload else ZeroOffloadStrategy(
         delayed_update=args.delayed_update, moment_dtype=args.moment_dtype)
     losses = LossLog()
-    throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices)
+    throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices,
+                            time_batches=bool(args.loss_csv))
     summary = OffloadSummary()
     trainer = Trainer(
         accelerator=accelerator,

@@ -136,31 +136,45 @@ class Branchy(nn.Module):
         return self.out((self.a if branch == 0 else self.b)(x))
 
 
-def _branchy(rank: int, world: int) -> list:
+def _x(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
+
+
+def _on_ranks(rank: int, world: int, cls: type, use, steps: int, hp: dict,
+              bucket_size_mb: float) -> list:
+    """This rank's engine on ``cls``, whose forward takes ``use(rank, step)``."""
     torch.manual_seed(0)
-    model = Branchy()
-    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.1),
-                         precision="32-true", bucket_size_mb=0.0001)
-    for step in range(3):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
-        engine.backward(engine.module(x, rank).square().mean())
+    model = cls()
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), **hp),
+                         precision="32-true", bucket_size_mb=bucket_size_mb)
+    for step in range(steps):
+        engine.backward(engine.module(_x(step, rank), use(rank, step)).square().mean())
         engine.step()
         engine.zero_grad()
     return _params(engine)
 
 
-def test_unused_parameters_differ_across_ranks():
-    got = run_ranks(_branchy, 2)
+def _torch_on_ranks(cls: type, use, steps: int, hp: dict, world: int = 2) -> list:
+    """torch's AdamW on the ranks' mean loss (a parameter no rank used keeps grad None)."""
     torch.manual_seed(0)
-    ref = Branchy()
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    for step in range(3):
-        loss = sum(ref(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + r)),
-                       r).square().mean() for r in range(2)) / 2
+    ref = cls()
+    opt = torch.optim.AdamW(ref.parameters(), **hp)
+    for step in range(steps):
+        loss = sum(ref(_x(step, r), use(r, step)).square().mean() for r in range(world)) / world
         loss.backward()
         opt.step()
         opt.zero_grad()
-    _close([p.detach() for p in ref.parameters()], got[0])
+    return [p.detach() for p in ref.parameters()]
+
+
+def _branch_of_rank(rank: int, step: int) -> int:
+    return rank
+
+
+def test_unused_parameters_differ_across_ranks():
+    args = (Branchy, _branch_of_rank, 3, {"lr": 0.1})
+    got = run_ranks(_on_ranks, 2, *args, 0.0001)
+    _close(_torch_on_ranks(*args), got[0])
     _close(got[0], got[1], tol=0)
 
 
@@ -174,32 +188,14 @@ class Three(nn.Module):
         return self.out((self.b(self.a(x)) if use_b else self.a(x)).tanh())
 
 
-def _sometimes(rank: int, world: int) -> list:
-    # b: used by rank 1 at steps 0 and 1 only; c: by no rank.
-    torch.manual_seed(0)
-    model = Three()
-    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5),
-                         precision="32-true", bucket_size_mb=1.0)
-    for step in range(4):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + rank))
-        engine.backward(engine.module(x, rank == 1 and step < 2).square().mean())
-        engine.step()
-        engine.zero_grad()
-    return _params(engine)
+def _b_early_on_rank_1(rank: int, step: int) -> bool:
+    return rank == 1 and step < 2  # b: used by rank 1 at steps 0 and 1 only; c: by no rank
 
 
 def test_a_parameter_without_gradient_on_every_rank_is_left_untouched():
-    got = run_ranks(_sometimes, 2)
-    torch.manual_seed(0)
-    ref = Three()
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.5)
-    for step in range(4):
-        loss = sum(ref(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 2 + r)),
-                       r == 1 and step < 2).square().mean() for r in range(2)) / 2
-        loss.backward()
-        opt.step()  # steps 2-3: b.grad is None (skipped); c.grad always None
-        opt.zero_grad()
-    _close([p.detach() for p in ref.parameters()], got[0])
+    args = (Three, _b_early_on_rank_1, 4, {"lr": 0.1, "weight_decay": 0.5})
+    got = run_ranks(_on_ranks, 2, *args, 1.0)
+    _close(_torch_on_ranks(*args), got[0])  # steps 2-3: torch skips b (grad None), always c
     _close(got[0], got[1], tol=0)
 
 

@@ -186,3 +186,35 @@ def test_a_gradient_discarded_by_a_failed_backward_does_not_count():
         engine.backward(module.head(module.b(_FailsBackward.apply(module.a(_data(0))))).sum())
     _train(module, _engine_step(engine), [("a",)], first=1)  # no zero_grad in between
     assert all(torch.equal(v, _params(module.b)[k]) for k, v in b_before.items())
+
+
+class UnusedFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)  # registered first: last in the bucket's backward order
+        self.rest = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(x)
+
+
+def test_a_skipped_parameter_at_the_end_of_a_bucket_is_untouched():
+    # One run of stepped parameters and skipped ones after it: the run must not be widened to
+    # the whole bucket shard (the shortcut for "every parameter got a gradient").
+    torch.manual_seed(0)
+    model = UnusedFirst()
+    ref = copy.deepcopy(model)
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters(), **HP),
+                         precision="32-true", bucket_size_mb=25.0)
+    opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for k in range(3):
+        engine.backward(engine.module(_data(k)).square().mean())
+        engine.step()
+        engine.zero_grad()
+        ref(_data(k)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for name, want in _params(ref).items():
+        torch.testing.assert_close(_params(engine.module)[name], want, rtol=1e-5, atol=1e-6,
+                                   msg=name)
+    assert torch.equal(_params(engine.module.first)["weight"], _params(ref.first)["weight"])

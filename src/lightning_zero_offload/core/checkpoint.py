@@ -175,13 +175,12 @@ class EngineState:
             self.module.load_state_dict(model, strict=True)
             self.remember_frozen(model)
             states = opt["state"] if opt else {}
-            self.stepper.param_steps[:] = [int(states[s.index]["step"]) if s.index in states
-                                           else 0 for s in self.layout.slots]
-            for g in range(len(self.group_sizes)):
-                self.stepper.steps[g] = max((n for s, n in zip(self.layout.slots,
-                                                                self.stepper.param_steps,
-                                                                strict=True) if s.group == g),
-                                            default=0)
+            steps = self.stepper.steps
+            steps[:] = [0] * len(steps)
+            for i, s in enumerate(self.layout.slots):
+                n = int(states[s.index]["step"]) if s.index in states else 0
+                self.stepper.param_steps[i] = n
+                steps[s.group] = max(steps[s.group], n)
             host, md = self.host, self.host.moment_dtype
             pieces: dict[int, list] = {}
             for piece in shard_pieces(self.layout, self.rank):

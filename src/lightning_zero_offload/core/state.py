@@ -141,8 +141,8 @@ def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
         raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
     if len(shard["groups"]) != len(numels):
         raise CheckpointError(f"{who}: {len(shard['groups'])} groups, expected {len(numels)}")
-    steps = shard.get("param_steps", [])
-    if "param_steps" in shard and (
+    steps = shard.get("param_steps")
+    if steps is not None and (
             not isinstance(steps, list) or len(steps) != len(shard["layout"]["params"])
             or not all(isinstance(n, int) and n >= 0 for n in steps)):
         raise CheckpointError(f"{who}: param_steps is not one step count per parameter (corrupt "

@@ -182,7 +182,7 @@ class Stepper:
                 runs.append((lo, hi, step))
             adjacent = True
         pieces = self._pieces[b]
-        if len(runs) == 1 and all(had[i] for i, _, _ in pieces):
+        if len(runs) == 1 and runs[0][:2] == (pieces[0][1], pieces[-1][2]):  # every piece
             runs = [(0, self.layout.buckets[b].shard, runs[0][2])]
         return runs
 
