@@ -185,3 +185,4 @@ if __name__ == "__main__":
     recipe = FinetuneRecipe(parse_args())
     recipe.setup()
     recipe.train()
+    recipe.accelerator.end_training()  # destroys the process group

@@ -381,3 +381,44 @@ def test_moment_dtype_from_env_reaches_the_engine(monkeypatch):
     monkeypatch.setenv("ZERO_OFFLOAD_MOMENT_DTYPE", "fp8")
     with pytest.raises(ValueError, match="moment_dtype must be one of"):
         _setup(offload=None)
+
+
+_EXIT_SCRIPT = '''
+import atexit, sys
+import torch, torch.distributed as dist
+from accelerate import Accelerator
+from lightning_zero_offload.accelerate import ZeroOffloadPlugin
+
+# Registered first, so it runs after the plugin's exit hook: was the group destroyed?
+atexit.register(lambda: print(f"destroyed at exit: {not dist.is_initialized()}", flush=True))
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(8, 8)
+model, opt = ZeroOffloadPlugin(enabled=True).prepare(acc, model, torch.optim.AdamW(
+    model.parameters()))
+acc.backward(model(torch.randn(4, 8)).square().mean())
+opt.step()
+if sys.argv[1] == "raise":  # both ranks, after the step: no collective in flight
+    raise RuntimeError("the script failed")
+'''
+
+
+@pytest.mark.parametrize("mode", ["return", "raise"])
+def test_several_processes_destroy_the_process_group_at_exit_unless_an_error_ends_them(
+        tmp_path, mode):
+    """A gloo group left to the interpreter's exit can abort the process; after an uncaught
+    error the group is left (destroying it would wait for collectives in flight)."""
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), str(script), mode],
+                         env=env, capture_output=True, text=True, timeout=300)
+    expected = "True" if mode == "return" else "False"
+    assert run.stdout.count(f"destroyed at exit: {expected}") == 2, run.stdout + run.stderr[-3000:]
+    assert (run.returncode == 0) == (mode == "return"), run.stderr[-3000:]

@@ -238,6 +238,27 @@ def test_dropped_engines_free_their_memory():
     assert _live_bytes() - base < 2**20
 
 
+def _drop_engines(rank: int, world: int) -> list[bool]:
+    import torch.distributed as dist
+
+    alive = []
+    for i in range(3):  # dropped without teardown
+        model = make(i, d=32)
+        engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true")
+        _steps(engine, batches(1))
+        group = engine.process_group
+        assert group is not dist.group.WORLD
+        del engine, model
+        gc.collect()
+        alive.append(group in dist.distributed_c10d._world.pg_map)
+    return alive
+
+
+def test_dropped_engines_release_their_process_groups():
+    """Each engine's own group (with the collective timeout) goes with the engine."""
+    assert run_ranks(_drop_engines, 2) == [[False] * 3] * 2
+
+
 def test_inputs_that_would_break_in_backward_or_forward_are_refused_at_setup():
     model = make()
     twice = [{"params": list(model.parameters())}, {"params": [model.head.weight]}]

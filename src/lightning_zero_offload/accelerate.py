@@ -22,6 +22,8 @@ them back at the same or another world size. ``accelerator.get_state_dict(model)
 fp32 master weights (call it on every process) for ``save_pretrained(..., state_dict=...)``.
 With ``delayed_update`` the weights the loop sees are one step stale until
 ``plugin.engine.synchronize()``; checkpoints and ``get_state_dict`` include the pending update.
+With several processes the process group is destroyed at the interpreter's exit if the script
+did not call ``accelerator.end_training()`` (a gloo group left to the exit can abort it).
 
 Not supported with the flag on (each raises): DeepSpeed, FSDP, Megatron-LM, XLA, tensor/context
 parallelism, ``torch.compile`` through Accelerate, fp8, more than one engine model per plugin,
@@ -47,6 +49,7 @@ from torch import nn  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
+from lightning_zero_offload.core.collectives import destroy_at_exit  # noqa: E402
 from lightning_zero_offload.core.config_env import (  # noqa: E402
     ENV_CONFIG,
     ENV_PREFIX,
@@ -219,6 +222,8 @@ class ZeroOffloadPlugin:
         if device.type == "cpu":
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
         engine = ZeroOffload(model, optimizer, config, device=device)
+        if accelerator.num_processes > 1:  # Accelerate leaves it to the script's end_training
+            destroy_at_exit()
         module = engine.module
         setattr(module, _PREPARED, True)
         # A model prepared for evaluation earlier (Trainer.evaluate before train) is listed once.

@@ -55,8 +55,13 @@ class ZeroOffload:
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         # The engine's own copy of the group, with its timeout (see core.collectives).
-        self._given_group = process_group
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
+        # Released by teardown or when the engine is dropped. Not at the interpreter's exit: a
+        # destroy waits for collectives in flight, and after an error that would keep the peers
+        # waiting for the timeout. At exit, dist.destroy_process_group() takes every group.
+        self._release_group = weakref.finalize(self, collectives.release_group,
+                                               self.process_group, process_group)
+        self._release_group.atexit = False
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
         ref = _ENGINES.get(module)
@@ -394,4 +399,4 @@ class ZeroOffload:
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
         if not self._readable:  # a kept state still gathers over the engine's group
             self._host.free()
-            collectives.release_group(self.process_group, self._given_group)
+            self._release_group()
