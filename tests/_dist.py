@@ -3,7 +3,9 @@
 Usable by any test: ``run_ranks(fn, 2, arg)`` calls ``fn(rank, world_size, arg)`` in each
 process (``fn`` must be a module-level function) and returns the per-rank results in rank order.
 A failure in any rank raises with that rank's traceback; a hang raises TimeoutError after
-``timeout`` seconds and the processes are killed.
+``timeout`` seconds and the processes are killed. ``torchrun(script, *args)`` runs a script as
+``torchrun --nproc_per_node 2`` does, on the CPU (processes that exit as scripts do, unlike the
+spawned ones, which skip the interpreter's exit).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -25,6 +29,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(script: os.PathLike | str, *args: str, timeout: float = 600,
+             **env: str) -> subprocess.CompletedProcess:
+    """``script args`` on 2 CPU processes under torch.distributed.run, without the caller's
+    ``ZERO_OFFLOAD*`` variables and with ``env`` added; output captured as text."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD")}
+    base.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(script), *args]
+    return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout)
 
 
 def _worker(fn: Callable, rank: int, world: int, port: int, args: tuple, timeout: float,

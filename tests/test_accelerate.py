@@ -407,18 +407,11 @@ def test_several_processes_destroy_the_process_group_at_exit_unless_an_error_end
         tmp_path, mode):
     """A gloo group left to the interpreter's exit can abort the process; after an uncaught
     error the group is left (destroying it would wait for collectives in flight)."""
-    import subprocess
-    import sys
-
-    from _dist import free_port
+    from _dist import torchrun
 
     script = tmp_path / "exit.py"
     script.write_text(_EXIT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()), str(script), mode],
-                         env=env, capture_output=True, text=True, timeout=300)
+    run = torchrun(script, mode, timeout=300)
     expected = "True" if mode == "return" else "False"
     assert run.stdout.count(f"destroyed at exit: {expected}") == 2, run.stdout + run.stderr[-3000:]
     assert (run.returncode == 0) == (mode == "return"), run.stderr[-3000:]

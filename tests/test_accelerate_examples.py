@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -63,16 +62,11 @@ def test_finetune_recipe_one_process(text_file, tmp_path, monkeypatch, capsys):
 
 @pytest.mark.slow
 def test_finetune_recipe_two_processes_torchrun(text_file):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _dist import free_port
+    from _dist import torchrun
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD")}
-    env.update(ZERO_OFFLOAD="1", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), str(RECIPE), "--tiny-random-llama",
-           "--data", str(text_file), "--max-steps", "16", "--lr", "3e-3", "--seq-len", "64",
-           "--batch-size", "2", "--log-every", "1"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = torchrun(RECIPE, "--tiny-random-llama", "--data", str(text_file), "--max-steps", "16",
+                   "--lr", "3e-3", "--seq-len", "64", "--batch-size", "2", "--log-every", "1",
+                   ZERO_OFFLOAD="1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ZeRO-Offload: on, processes: 2" in run.stdout, run.stdout
     assert run.stdout.count("ZeRO-Offload profile, median of 16 steps") == 1, run.stdout

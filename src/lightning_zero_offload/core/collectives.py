@@ -44,8 +44,8 @@ def engine_group(group: Any, timeout_s: float | None) -> Any:
 
 
 def release_group(group: Any, given: Any) -> None:
-    """Destroy ``group`` if :func:`engine_group` or :func:`side_group` made it (not ``given``):
-    a gloo group left to the interpreter's exit can abort the process."""
+    """Destroy ``group`` if :func:`engine_group` or :func:`side_group` made it (not ``given``),
+    so a torn-down or dropped engine leaves no group behind."""
     if group is not None and group is not given and dist.is_initialized():
         try:
             dist.destroy_process_group(group)
