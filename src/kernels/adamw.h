@@ -49,7 +49,10 @@ struct AdamArgs {
   float* exp_avg;
   float* exp_avg_sq;
   const void* grad;
-  void* out;  // may be null
+  // May be null, or exactly `grad` (same address and 16-bit dtype): every path reads an element's
+  // gradient before it writes that element's weight, and touches no other element's gradient, so
+  // writing in place gives the bits of a separate buffer. Keep it so in any new path.
+  void* out;
   Dtype grad_dtype;
   Dtype out_dtype;  // kNone when out is null
   AdamConsts c;

@@ -228,11 +228,13 @@ inline void block_scale(uint32_t maxbits, float maxcode, float& scale, float& in
   }
 }
 
-// Everything one loop reads from AdamArgs, in locals the stores cannot alias.
+// Everything one loop reads from AdamArgs, in locals the stores cannot alias. `g` and `out` are
+// not __restrict: `out` may be `grad` itself (the weights written in place over the gradient), and
+// a restrict pair would let the compiler reload a gradient after the store of its weight.
 struct Ptrs {
   float* __restrict p;
-  const void* __restrict g;
-  void* __restrict out;
+  const void* g;
+  void* out;
   void* __restrict mc;
   void* __restrict vc;
   float* __restrict ms;

@@ -100,6 +100,38 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: 
 
 
 _NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "out", "exp_avg_scales", "exp_avg_sq_scales")
+_GRAD, _OUT = 1, 4
+_INPLACE = ("`out` may be `grad` itself (same data_ptr, numel and dtype: the new weights are "
+            "written in place over the gradient they consumed) or a buffer of its own")
+
+
+def _is_grad(out: torch.Tensor, grad: torch.Tensor) -> bool:
+    """`out` is exactly `grad`'s memory as the same dtype (both are contiguous, of `numel` n)."""
+    return out.data_ptr() == grad.data_ptr() and out.dtype == grad.dtype
+
+
+def _check_overlap(ts: tuple[torch.Tensor | None, ...], alias: bool) -> None:
+    """Every buffer (``ts`` in the order of _NAMES) is its own, but for ``out`` when ``alias``
+    (it is exactly ``grad``)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(ts)
+        if t is not None and not (alias and i == _OUT)  # then `grad` stands for both
+    )
+    # Sorted by start, two spans overlap only if some neighbouring pair does.
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            a, b = sorted((i, j))
+            if (a, b) == (_GRAD, _OUT):
+                raise ValueError(
+                    "fused_adamw_: `out` overlaps `grad` but is not exactly `grad` "
+                    f"(a partial overlap, or another dtype); {_INPLACE}"
+                )
+            hint = f"; {_INPLACE}" if _OUT in (a, b) else ""
+            raise ValueError(
+                f"fused_adamw_: `{_NAMES[a]}` and `{_NAMES[b]}` overlap in memory; "
+                f"each must be its own buffer{hint}"
+            )
 
 
 def check_args(
@@ -158,18 +190,7 @@ def check_args(
     rng_key(seed, 1)  # validates seed
     if n:
         ts = (param, grad, exp_avg, exp_avg_sq, out, exp_avg_scales, exp_avg_sq_scales)
-        spans = sorted(
-            (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
-            for i, t in enumerate(ts)
-            if t is not None
-        )
-        for (_, end, i), (start, _, j) in zip(spans, spans[1:], strict=False):
-            if start < end:
-                a, b = sorted((i, j))
-                raise ValueError(
-                    f"fused_adamw_: `{_NAMES[a]}` and `{_NAMES[b]}` overlap in memory; "
-                    "each must be its own buffer"
-                )
+        _check_overlap(ts, out is not None and _is_grad(out, grad))
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"fused_adamw_: `step` must be an int >= 1 (1-based), got {step!r}")
     if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
@@ -213,6 +234,13 @@ def fused_adamw_(
     buffer (a multiple of ``BLOCK`` for uint8), so updating a buffer chunk by chunk gives the
     bits of one call. ``num_threads`` defaults to ``torch.get_num_threads()``; results do not
     depend on it.
+
+    In place: ``out`` may be ``grad`` itself (same ``data_ptr``, ``numel`` and dtype, bf16 or
+    fp16), so one half-precision buffer carries the gradient in and the new weights out. Every
+    path reads an element's gradient before it writes that element's weight and reads no other
+    element's gradient after, so the results are bit-identical to a separate ``out``, and
+    ``grad`` afterwards holds the new weights. Any other overlap (``out`` partly over ``grad``,
+    or over the master, moments or scales) raises ``ValueError`` before anything is written.
     """
     check_args(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, betas=betas, eps=eps,

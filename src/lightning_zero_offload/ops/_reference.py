@@ -38,7 +38,8 @@ def fused_adamw_reference_(
     Compact moments (bf16, or uint8 codes with per-block scales; see ``ops.moments``) are
     dequantized, updated by the same fp32 step (but for sqrt(v) * float(1 / bc2) in place of
     sqrt(v) / bc2, as the compact kernel computes it) and stored back with the kernel's stochastic
-    rounding (rounding key ``key``, counter ``offset + i``). Matches the C++ kernel bit for bit.
+    rounding (rounding key ``key``, counter ``offset + i``). Matches the C++ kernel bit for bit,
+    with ``out`` a buffer of its own or ``grad`` itself.
     """
     hp = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
               decoupled=decoupled, grad_scale=grad_scale, out=out)
@@ -52,6 +53,8 @@ def fused_adamw_reference_(
 def _step_fp32_(param, grad, exp_avg, exp_avg_sq, *, compact: bool, step, lr, beta1, beta2, eps,
                 weight_decay, decoupled, grad_scale, out) -> None:
     # compact: the compact kernel's one departure, sqrt(v) * float(1 / bc2) for sqrt(v) / bc2
+    # `out` may be `grad` itself (then both are 16-bit, and grad.float() is a copy): grad is read
+    # once, here, and `out` written once, last.
     g = grad.float() * grad_scale if grad_scale != 1.0 else grad.float()
     if weight_decay != 0.0:
         if decoupled:
