@@ -9,6 +9,7 @@ other overlap of ``out`` is refused before anything is written.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -68,28 +69,37 @@ def _assert_same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -
             f"{diff[:5].tolist()}")
 
 
-def _run(fn, isa: str | None, n: int, md: str, grad_dtype: torch.dtype, *, inplace: bool,
-         steps: int = 2, **kw) -> list[torch.Tensor]:
-    """`steps` updates from a seeded state with fresh gradients; with `inplace` each gradient is
-    loaded into the one half buffer that also receives the weights (as the engine does).
-    Returns [param, exp_avg, exp_avg_sq, out, scales...]."""
+@functools.lru_cache(maxsize=4)
+def _state(n: int, md: str, steps: int) -> tuple[torch.Tensor, M.Moments, list[torch.Tensor]]:
+    """A seeded master, moments and fp32 gradients (built once: the 8-bit encoding is slow)."""
     gen = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=gen)
     # moments over 8 decades, so the 8-bit codes' small values are used
     spread = torch.exp(torch.empty(n).uniform_(-9, 0, generator=gen))
     mom = M.Moments.from_fp32(torch.randn(n, generator=gen) * spread,
                               torch.rand(n, generator=gen) * spread**2, md)
+    grads = [torch.randn(n, generator=gen) * 3 * spread.sqrt() for _ in range(steps)]
+    return p, mom, grads
+
+
+def _run(fn, isa: str | None, n: int, md: str, grad_dtype: torch.dtype, *, inplace: bool,
+         steps: int = 2, **kw) -> list[torch.Tensor]:
+    """`steps` updates from a seeded state with fresh gradients; with `inplace` each gradient is
+    loaded into the one half buffer that also receives the weights (as the engine does).
+    Returns [param, exp_avg, exp_avg_sq, out, scales...]."""
+    p0, mom0, grads = _state(n, md, steps)
+    p = p0.clone()
+    mom = M.Moments.zeros(n, md)
+    mom.copy_(mom0)
     buf = torch.empty(n, dtype=grad_dtype)  # the in-place buffer: gradient in, weights out
     out = buf if inplace else torch.empty(n, dtype=grad_dtype)
     hp = dict(lr=1e-2, seed=5)
     hp.update(kw)
-    for step in range(1, steps + 1):
-        g = (torch.randn(n, generator=gen) * 3 * spread.sqrt()).to(grad_dtype)
+    for step, g32 in enumerate(grads, start=1):
+        g = g32.to(grad_dtype)
         grad = buf.copy_(g) if inplace else g
         with ops.force_isa(isa) if isa else contextlib.nullcontext():
             fn(p, grad, step=step, out=out, **mom.kernel_args(), **hp)
-        if inplace:
-            assert buf.data_ptr() == out.data_ptr()
     ts = [p, mom.exp_avg, mom.exp_avg_sq, out]
     if md == "int8":
         assert mom.exp_avg_scales is not None and mom.exp_avg_sq_scales is not None
