@@ -1,8 +1,8 @@
 """Test hooks for users and for this project's own tests.
 
-Importing this module registers the emulated device with ``core.device.make_device``. The
-package imports it itself when ``LZO_EMULATED_DEVICE_SEED`` is set, so that variable turns the
-emulation on for every CPU engine of a process without the production factory knowing of it.
+Importing this module (the package does) registers the emulated device with
+``core.device.make_device``, so ``LZO_EMULATED_DEVICE_SEED`` turns the emulation on for every CPU
+engine of a process without the production factory knowing of it.
 """
 
 from __future__ import annotations
@@ -53,9 +53,8 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     direction the slow one. Yields the list of emulated devices created (for inspection, e.g.
     ``peak_bytes``).
 
-    The environment variable ``LZO_EMULATED_DEVICE_SEED=N``, set before the package is
-    imported, does the same for every CPU engine of a process (e.g. a whole test run:
-    ``LZO_EMULATED_DEVICE_SEED=1 pytest tests/``).
+    The environment variable ``LZO_EMULATED_DEVICE_SEED=N`` does the same for every CPU engine
+    of a process (e.g. a whole test run: ``LZO_EMULATED_DEVICE_SEED=1 pytest tests/``).
 
     What it cannot catch: the compute stream is the main thread itself, so a side stream that
     does not wait for the compute stream before reading what it wrote only fails on a GPU.

@@ -7,10 +7,12 @@ place; the exact values of frozen parameters stay on the host (checkpoints and t
 round them). With delayed update a spare set of buffers receives step i's weights while step
 i+1 runs on the live set; :meth:`DeviceWeights.swap` exchanges them.
 
-A push (the copies of one step, or of a load) follows the rules of ``core.device``: the copy
-stream waits for the compute stream first (backward read the buffers being overwritten), the
-compute stream waits for the copy stream afterwards (the next forward reads them), and the host
-rewrites a copy's source only after waiting for the end of the previous push.
+A push (the copies of one step, or of a load) is one :class:`WeightPush`, which follows the
+rules of ``core.device``: the copy stream waits for the compute stream first (backward read the
+buffers being overwritten), the compute stream waits for the copy stream afterwards (the next
+forward reads them), and the host rewrites a copy's source only after waiting for the end of the
+previous push. Its all-gathers are the engine's only weight all-gathers, always on the caller's
+thread; under delayed update :meth:`DeviceWeights.land` finishes the worker's push and swaps.
 """
 
 from __future__ import annotations
