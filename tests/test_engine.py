@@ -408,7 +408,7 @@ def test_grad_norm_paths_agree_with_torch():
 
 def test_checkpoint_files_are_atomic_and_corruption_is_reported(tmp_path, monkeypatch):
     from lightning_zero_offload.core import CheckpointError
-    from lightning_zero_offload.core import state as ckpt
+    from lightning_zero_offload.core.checkpoint import files
 
     engine = engine_for(precision="32-true")
     train(engine, batches(2))
@@ -421,7 +421,13 @@ def test_checkpoint_files_are_atomic_and_corruption_is_reported(tmp_path, monkey
         f.write(b"PK\x03\x04 partial")
         raise KeyboardInterrupt("killed mid-write")
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    class DyingTorch:  # the checkpoint writer's torch, whose save dies; torch.save elsewhere works
+        save = staticmethod(crash)
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    monkeypatch.setattr(files, "torch", DyingTorch())
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(good, sharded=False)
     with pytest.raises(KeyboardInterrupt):

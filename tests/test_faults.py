@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core import CheckpointError, files
-from lightning_zero_offload.core import state as ckpt
+from lightning_zero_offload.core import CheckpointError
+from lightning_zero_offload.core.checkpoint import files
 
 TESTS = Path(__file__).parent
 
@@ -308,7 +308,7 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(saved, mon
         f.write(b"PK\x03\x04")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.torch, "save", disk_full)
+    monkeypatch.setattr(files.torch, "save", disk_full)
     for path, sharded in ((tmp / "ckpt", True), (tmp / "full.pt", False)):
         with pytest.raises(OSError, match="No space left"):
             engine.save_checkpoint(path, sharded=sharded)
@@ -352,7 +352,7 @@ import os, sys, time
 sys.path.insert(0, {tests!r})
 import torch
 import test_faults as tf
-from lightning_zero_offload.core import files
+from lightning_zero_offload.core.checkpoint import files
 
 path, point, flag = sys.argv[1], sys.argv[2], sys.argv[3]
 sharded = point != "file"

@@ -11,7 +11,7 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 from torch import nn
 
 from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core import files
+from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.ops import Moments
 from lightning_zero_offload.testing import emulated_async_device
 
@@ -110,7 +110,7 @@ def test_checkpoint_round_trip_is_exact(md: str, how: str, tmp_path) -> None:
         a.save_checkpoint(tmp_path / "ck", sharded=how == "sharded")
         b.load_checkpoint(tmp_path / "ck")
     shard = a.state_dict()
-    assert shard["format"] == files.SHARD_FORMAT and shard["moment_dtype"] == md
+    assert shard["format"] == formats.SHARD_FORMAT and shard["moment_dtype"] == md
     _same_shard(b.state_dict(), shard)
     _train(a, more)
     _train(b, more)
@@ -182,7 +182,7 @@ def test_corrupt_compact_shard_raises_naming_the_tensor() -> None:
     bad = a.state_dict()
     group = bad["groups"][0]
     bad["groups"][0] = {**group, "exp_avg_scales": group["exp_avg_scales"][1:]}
-    with pytest.raises(files.CheckpointError, match="group 0 exp_avg_scales has the wrong size"):
+    with pytest.raises(formats.CheckpointError, match="group 0 exp_avg_scales has the wrong size"):
         _engine("int8", seed=7).load_state_dict(bad)
 
 

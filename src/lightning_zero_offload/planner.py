@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_zero_offload._activations import activation_bytes
+
 __all__ = ["Plan", "plan", "parse_bytes", "model_info", "main"]
 
 _ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
@@ -79,11 +81,6 @@ def _parse_count(value: int | float | str) -> int:
         raise ValueError(f"cannot read {value!r} as a parameter count: use e.g. 7e9 or 7B")
     scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
     return int(float(m.group(1)) * scale)
-
-
-def _pinned(nbytes: int) -> int:
-    """CUDA's caching host allocator hands out a power of two for every pinned request."""
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
 
 
 def _safetensors_params(folder: Path) -> int | None:
@@ -227,17 +224,6 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     return dev, {k: v for k, v in host.items() if v}, 0
 
 
-def _activations(info: dict, batch: int | None, seq: int | None, precision: str) -> int:
-    hidden, layers = info.get("hidden_size"), info.get("num_hidden_layers")
-    heads, vocab = info.get("num_attention_heads"), info.get("vocab_size")
-    if not (batch and seq and hidden and layers and heads):
-        return 0
-    per_layer = seq * batch * hidden * (34 + 5 * heads * seq / hidden)
-    per_layer *= _ELEM[precision] / 2  # the formula is for 16-bit activations
-    logits = seq * batch * (vocab or 0) * (_ELEM[precision] + 4)
-    return int(layers * per_layer + logits)
-
-
 def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
                    numel: int = 4 * 2**20, moment_dtype: str = "fp32") -> float:
     """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master, moments in
@@ -308,7 +294,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     ranks = ranks_per_node or world_size
     bucket = int(bucket_size_mb * 2**20)
     notes = []
-    acts = _activations(info, batch_size, seq_len, precision)
+    acts = activation_bytes(info, batch_size, seq_len, _ELEM[precision])
     if (batch_size or seq_len) and not acts:
         notes.append("no activation estimate: it needs batch_size, seq_len and a model config "
                      "(--model) for the hidden size, layers and heads")

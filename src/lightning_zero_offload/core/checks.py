@@ -1,17 +1,18 @@
-"""Argument checks and small helpers of the engine: every bad input gets a clear error here."""
+"""Argument checks of the engine: the device, the optimizer, the module, the inputs' dtype and
+the hyperparameters at each step; every bad input gets a clear error that says what to do.
+(A checkpoint's checks are ``core.checkpoint.validation``'s.)"""
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_zero_offload.core.checkpoint import EngineState
+from lightning_zero_offload.core.optimizer import OffloadOptimizer
 
 _UNSUPPORTED = {
     "amsgrad": "amsgrad=True",
@@ -60,8 +61,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     The one optimizer check of the engine and every adapter: ``torch.optim.AdamW`` or ``Adam``,
     subclasses included unless they replace ``step`` (the fused CPU step runs torch's update, so
     another ``step`` would be silently ignored)."""
-    from lightning_zero_offload.core.optimizer import OffloadOptimizer
-
     if isinstance(optimizer, OffloadOptimizer):
         raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
     if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
@@ -169,86 +168,6 @@ def cast_floats(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, dict):
         return {k: cast_floats(v, dtype) for k, v in x.items()}
     return x
-
-
-def clip_coef(max_norm: float, norm: float) -> float:
-    """``torch.nn.utils.clip_grad_norm_``'s coefficient (NaN stays NaN, as there)."""
-    coef = max_norm / (norm + 1e-6)
-    return 1.0 if coef >= 1.0 else coef
-
-
-def collective_device(group: Any, device: torch.device) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    return device if "nccl" in backend and device.type == "cuda" else torch.device("cpu")
-
-
-def check_shard(state: Any, engine: EngineState) -> None:
-    from lightning_zero_offload.core.files import SHARD_FORMATS, CheckpointError
-    from lightning_zero_offload.core.state import check_shard_groups
-
-    if not isinstance(state, dict) or state.get("format") not in SHARD_FORMATS:
-        raise CheckpointError(
-            "ZeroOffload.load_state_dict: not a ZeroOffload shard (expected the dict returned by "
-            "ZeroOffload.state_dict(); for the consolidated form use load_full_state_dict)"
-        )
-    if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
-        raise CheckpointError(
-            f"ZeroOffload.load_state_dict: shard of rank {state['rank']} of {state['world_size']} "
-            f"cannot load into rank {engine.rank} of {engine.world_size}; use save_checkpoint/"
-            "load_checkpoint or full_state_dict/load_full_state_dict to change world size"
-        )
-    if state["layout"] != engine.layout.describe():
-        from lightning_zero_offload.core.state import shard_moment_dtype
-
-        saved = shard_moment_dtype(state)
-        why = (f" (or its moment_dtype={saved!r}: int8 moments pad buckets to whole 256-element "
-               "blocks, so the layout differs)" if saved != engine.host.moment_dtype else "")
-        raise CheckpointError(
-            "ZeroOffload.load_state_dict: the shard was written for a different model, optimizer "
-            f"grouping or bucket size{why}; load it through save_checkpoint/load_checkpoint or "
-            "full_state_dict/load_full_state_dict"
-        )
-    check_shard_groups(state, list(engine.layout.group_shard_numel),
-                       "ZeroOffload.load_state_dict")
-
-
-def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
-    from lightning_zero_offload.core.files import CheckpointError
-
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise CheckpointError(
-            "ZeroOffload.load_full_state_dict: expected {'model': state_dict, 'optimizer': "
-            "AdamW state_dict (optional)}"
-        )
-    model, opt = state["model"], state.get("optimizer")
-    expected = engine.module.state_dict()
-    missing = sorted(set(expected) - set(model))
-    unexpected = sorted(set(model) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"ZeroOffload.load_full_state_dict: model keys do not match the module (missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    for k, t in expected.items():
-        if tuple(model[k].shape) != tuple(t.shape):
-            raise CheckpointError(f"ZeroOffload.load_full_state_dict: {k!r} has shape "
-                                  f"{tuple(model[k].shape)}, the module has {tuple(t.shape)}")
-    if opt is None:
-        return model, None
-    groups = opt.get("param_groups") if isinstance(opt, dict) else None
-    if groups is None or not isinstance(opt.get("state"), dict) or [
-        len(g["params"]) for g in groups
-    ] != engine.group_sizes:
-        raise CheckpointError(
-            "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
-            "param groups (same groups with the same number of parameters are needed)"
-        )
-    for slot in engine.layout.slots:
-        st = opt["state"].get(slot.index)
-        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.shape):
-            raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
-                                  f"{slot.name!r} has the wrong shape")
-    return model, opt
 
 
 def check_hparams(groups: list[dict]) -> None:

@@ -12,6 +12,7 @@ error. A subgroup passed by the caller keeps its own timeout.
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -25,6 +26,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _KEY = "lightning_zero_offload/failed"
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 _exit_hook_registered = False
 
 
@@ -118,8 +120,9 @@ def _failed_peer() -> str | None:
 def run(what: str, fn: Callable[[], T]) -> T:
     """``fn()``, a collective called ``what``; a failure becomes a :class:`CollectiveError`
     naming this rank and, when one left a note, the rank that failed first."""
+    logger.debug("%s: start", what)
     try:
-        return fn()
+        out = fn()
     except Exception as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
         peer = _failed_peer()
@@ -129,6 +132,8 @@ def run(what: str, fn: Callable[[], T]) -> T:
             f"ZeroOffload: the {what} on rank {rank} failed or timed out ({type(e).__name__}: "
             f"{str(e)[:300]}): {cause}. Every rank must call backward/step/checkpoint methods "
             "the same number of times; collective_timeout_s sets how long a rank waits.") from e
+    logger.debug("%s: end", what)
+    return out
 
 
 def reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:
@@ -136,8 +141,9 @@ def reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:
         lambda: _reduce_scatter(out, inp, group=group))
 
 
-def all_gather(out: Tensor, inp: Tensor, group: Any) -> None:
-    run("all-gather of a weight bucket", lambda: _all_gather(out, inp, group=group))
+def all_gather(out: Tensor, inp: Tensor, group: Any,
+               what: str = "all-gather of a weight bucket") -> None:
+    run(what, lambda: _all_gather(out, inp, group=group))
 
 
 def all_reduce(t: Tensor, op: object, group: Any, what: str) -> None:
@@ -152,39 +158,7 @@ def barrier(group: Any) -> None:
     run("barrier", lambda: dist.barrier(group=group))
 
 
-def capture(fn: Callable[[], object]) -> Exception | None:
-    """The exception ``fn()`` raises, or None: lets a rank report it to :func:`agree` first."""
-    try:
-        fn()
-    except Exception as e:
-        return e
-    return None
-
-
-def agree(error: BaseException | None, world_size: int, group: Any,
-          device: torch.device) -> None:
-    """Collective: raise on every rank if ``error`` happened on any (this rank's own error as
-    is), so that no rank goes on to change its state or waits for a failed peer."""
-    from lightning_zero_offload.core.files import CheckpointError
-
-    if world_size > 1:
-        flags = torch.zeros(world_size, device=device)
-        mine = torch.tensor([float(error is not None)], device=device)
-        run("agreement on a checkpoint step", lambda: _all_gather(flags, mine, group=group))
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
-        if failed and error is None:
-            raise CheckpointError(f"checkpoint: rank(s) {failed} failed (see their error); "
-                                  "nothing was changed on this rank")
-    if error is not None:
-        raise error
-
-
-def share_token(token: str, world_size: int, group: Any, device: torch.device) -> str:
-    """Collective: rank 0's ``token`` on every rank ("" when rank 0 could not start)."""
-    if world_size == 1:
-        return token
-    data = list(token.encode())[:256]
-    buf = torch.tensor(data + [0] * (256 - len(data)), dtype=torch.uint8).to(device)
-    src = dist.get_global_rank(group, 0) if group is not None else 0  # type: ignore[arg-type]
-    broadcast(buf, src, group, "broadcast of the checkpoint's temporary name")
-    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
+def collective_device(group: Any, device: torch.device) -> torch.device:
+    """Where a collective's tensors live: the compute device with NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    return device if "nccl" in backend and device.type == "cuda" else torch.device("cpu")

@@ -20,13 +20,21 @@ their own affinity.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_zero_offload.core.profile import ProfileRecorder
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.config import ZeroOffloadConfig
+    from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
+
+logger = logging.getLogger(__name__)
 
 
 def _init_thread(cores: Sequence[int] | None, device: torch.device | None) -> None:
@@ -70,20 +78,24 @@ class CpuStepWorker:
 
 
 class DelayedUpdate:
-    """The one step whose CPU step runs on the worker: submitted by ``step()``, joined locally
-    (``join``, never a collective), landed by the next collective call (``land``: the gather of
-    the other ranks' shards and the swap, done by ``land_fn``)."""
+    """The one step whose CPU step runs on the worker: submitted by the step with its weight
+    push, joined locally (``join``, never a collective), landed by the next collective call
+    (``land``: the device weights finish the push, gathering the other ranks' shards, and swap
+    it in)."""
 
     def __init__(self, worker: CpuStepWorker | None, profile: ProfileRecorder,
-                 land_fn: Callable[[], None]) -> None:
-        self.worker, self.profile, self._land_fn = worker, profile, land_fn
+                 weights: DeviceWeights) -> None:
+        self.worker, self.profile, self.weights = worker, profile, weights
         self.pending: int | None = None
+        self._push: WeightPush | None = None
         self._joined = False
 
-    def submit(self, step: int, fn: Callable[..., None], *args: object) -> None:
+    def submit(self, step: int, push: WeightPush, fn: Callable[..., None],
+               *args: object) -> None:
+        """Run ``fn(*args)`` on the worker: step ``step``'s kernel, filling ``push``."""
         assert self.worker is not None, "delayed update without a worker"
         self.worker.submit(fn, *args)
-        self.pending, self._joined = step, False
+        self.pending, self._push, self._joined = step, push, False
 
     def join(self) -> None:
         """Wait for the worker (the wait is the step's exposed stall)."""
@@ -97,6 +109,9 @@ class DelayedUpdate:
                 self.worker.wait()
             except Exception as e:
                 self.pending = None
+                if self._push is not None:
+                    self._push.abandon()
+                self._push = None
                 self.profile.close(k)
                 raise RuntimeError(
                     f"ZeroOffload: the delayed CPU step of step {k} failed on its worker thread "
@@ -107,13 +122,16 @@ class DelayedUpdate:
         """Collective with several ranks: step i's weights become the module's."""
         self.join()
         k, self.pending = self.pending, None
-        if k is None:
+        push, self._push = self._push, None
+        if k is None or push is None:
             return
+        logger.debug("delayed update: step %d lands (gather and swap)", k)
         try:
             with self.profile.span("stall", k):
-                self._land_fn()
+                self.weights.land(push)
         finally:
             self.profile.close(k)
+        logger.debug("delayed update: step %d landed", k)
 
 
 def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -131,6 +149,14 @@ def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:
     if allowed is None:
         raise ValueError("ZeroOffloadConfig: cpu_affinity needs os.sched_setaffinity (Linux)")
     return cores
+
+
+def step_threads(config: ZeroOffloadConfig, world_size: int, device: torch.device) -> int:
+    """The kernel's threads: ``cpu_threads``, else one per ``cpu_affinity`` core, else
+    :func:`default_threads`."""
+    cores = config.cpu_affinity
+    return config.cpu_threads or (len(cores) if cores else default_threads(
+        world_size, device, config.delayed_update))
 
 
 def default_threads(world_size: int, device: torch.device, delayed: bool) -> int:

@@ -8,7 +8,8 @@ this interface, which has three implementations:
   are not page-faulted in again every backward.
 - :class:`CudaDevice`: a line-by-line mapping onto ``torch.cuda.Stream``/``Event``.
 - ``core.emulated.EmulatedDevice``: for tests on the CPU (``lightning_zero_offload.testing.
-  emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``). Each side stream is a worker
+  emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``), which the testing module registers
+  with :func:`make_device` (:func:`register_test_device`). Each side stream is a worker
   thread running its queue in FIFO order, each item after a seeded random delay; an event
   completes when its stream reaches it; released buffers are filled with NaN before anyone can
   have them again, so reading one too early or too late shows up in the result.
@@ -40,17 +41,17 @@ thread on that stream, in program order, as NCCL requires.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor
 
-POOL_SIZE = 3  # released bucket buffers kept for reuse (streaming.MAX_IN_FLIGHT + 1)
+from lightning_zero_offload.core.limits import BUCKET_BUFFERS
+
+POOL_SIZE = BUCKET_BUFFERS  # released bucket buffers kept for reuse (what the budget counts)
 
 
 class Event:
@@ -205,22 +206,16 @@ class CudaDevice(SyncDevice):
             empty_host_cache()
 
 
-_emulation: dict | None = None  # set by testing.emulated_async_device
+# Chooses the device of CPU engines in tests (``lightning_zero_offload.testing`` registers the
+# emulated one); it returns None to leave the plain CPU device.
+TestDeviceFactory = Callable[[torch.device, Any, "float | None"], "SyncDevice | None"]
+_test_device: TestDeviceFactory | None = None
 
 
-@contextlib.contextmanager
-def emulate(seed: int, max_delay_ms: float,
-            stream_delay_ms: dict[str, float] | None = None) -> Iterator[list]:
-    """Engines created on the CPU inside the block use an :class:`EmulatedDevice`; yields the
-    list of the devices made, for tests that inspect them."""
-    global _emulation
-    previous, made = _emulation, []
-    _emulation = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made,
-                  "stream_delay_ms": stream_delay_ms}
-    try:
-        yield made
-    finally:
-        _emulation = previous
+def register_test_device(factory: TestDeviceFactory | None) -> None:
+    """Let ``factory`` choose the device of every CPU engine made from now on (None: stop)."""
+    global _test_device
+    _test_device = factory
 
 
 def make_device(device: torch.device, process_group: object | None,
@@ -228,15 +223,5 @@ def make_device(device: torch.device, process_group: object | None,
     """The asynchrony implementation for an engine whose compute device is ``device``."""
     if device.type == "cuda":
         return CudaDevice(device, process_group)
-    from lightning_zero_offload.core.emulated import EmulatedDevice
-
-    seed = os.environ.get("LZO_EMULATED_DEVICE_SEED")
-    if _emulation is None and seed:  # a whole test suite on the emulated device
-        return EmulatedDevice(device, process_group, seed=int(seed), timeout_s=timeout_s)
-    if _emulation is not None:
-        emu = EmulatedDevice(device, process_group, seed=_emulation["seed"],
-                             max_delay_ms=_emulation["max_delay_ms"], timeout_s=timeout_s,
-                             stream_delay_ms=_emulation["stream_delay_ms"])
-        _emulation["made"].append(emu)
-        return emu
-    return SyncDevice(device, process_group)
+    made = _test_device(device, process_group, timeout_s) if _test_device is not None else None
+    return made if made is not None else SyncDevice(device, process_group)

@@ -3,10 +3,10 @@
 This module wires the owners together and holds the public API; each kind of state has one
 owner: ``host.HostBuffers`` (master, moments, gradients, staging), ``weights.DeviceWeights``
 (flat device buffers, copies, the delayed-update swap), ``streaming.GradStreamer`` (gradients
-during backward), ``step.Stepper`` (the step's decision and kernel), ``checkpoint.EngineState``
-(state in and out) and ``device`` (streams, events, waits). With delayed update
-(``core.delayed``) the kernel of step i runs on a worker thread into the spare weights, which
-become the live ones at the next ``step()``.
+during backward), ``step.Stepper`` (the whole step: its decision, the kernel, its counters),
+``checkpoint.EngineState`` (state in and out) and ``device`` (streams, events, waits). With
+delayed update (``core.delayed``) the kernel of step i runs on a worker thread into the spare
+weights, which become the live ones at the next ``step()``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_zero_offload.core import checks, collectives, ranks
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, default_threads
+from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, step_threads
 from lightning_zero_offload.core.device import make_device
 from lightning_zero_offload.core.host import HostBuffers, engine_budget, plan
 from lightning_zero_offload.core.layout import build_layout, shard_align
@@ -111,16 +111,15 @@ class ZeroOffload:
         # live in the engine's buffers, not in `param.grad`, so the model's zero_grad clears them.
         module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
         cores = config.cpu_affinity
-        threads = config.cpu_threads or (
-            len(cores) if cores else default_threads(self.world_size, self.device, delayed))
+        self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
+        self._delayed = DelayedUpdate(self._worker, self._profile, self._weights)
         self._stepper = Stepper(layout, host, self._weights, self._streamer, config,
                                 decoupled=self.decoupled, rank=self.rank,
-                                process_group=self.process_group, threads=threads,
-                                out_direct=kw["out_direct"], profile=self._profile)
-        self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
-        self._delayed = DelayedUpdate(self._worker, self._profile, self._swap_in)
+                                process_group=self.process_group, out_direct=kw["out_direct"],
+                                threads=step_threads(config, self.world_size, self.device),
+                                profile=self._profile, worker=self._worker, delayed=self._delayed)
         self._calls = 0  # step() calls, the profile's step numbers
-        self._no_sync = self._closed = self._readable = False
+        self._closed = self._readable = False
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
@@ -140,8 +139,7 @@ class ZeroOffload:
     @property
     def loss_scale(self) -> float | None:
         """The current fp16 loss scale ("16-mixed"), else None."""
-        scaler = self._stepper.scaler
-        return scaler.scale if scaler is not None else None
+        return self._stepper.scaler.scale if self._stepper.scaler is not None else None
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -157,32 +155,25 @@ class ZeroOffload:
         """``loss.backward()`` (times the fp16 loss scale); gradients add up until ``step``;
         ``sync_gradients=False`` keeps them on the device for the next synchronizing one."""
         self._check_open()
-        scaler = self._stepper.scaler
-        if scaler is not None:
-            loss = loss.float() * scaler.scale  # an fp16 loss times 2**16 could overflow
-        streamer = self._streamer
-        streamer.sync = sync_gradients and not self._no_sync
-        if streamer.sync and streamer.will_accumulate():
-            self._host.need_fp32_grads()  # here, not in a backward hook
+        if self.loss_scale is not None:  # an fp16 loss times 2**16 could overflow: in fp32
+            loss = loss.float() * self.loss_scale
         try:
-            loss.backward()
+            with self._streamer.backward_pass(sync_gradients):
+                loss.backward()
         except BaseException as e:
-            streamer.discard()
             if self.world_size > 1:
                 collectives.report_failure(self.rank, e)
             raise
-        finally:
-            streamer.sync = not self._no_sync
         self._timer.backward_ended()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside skip the cross-rank reduction (gradients accumulate locally)."""
-        self._no_sync, self._streamer.sync = True, False
+        self._streamer.set_no_sync(True)
         try:
             yield
         finally:
-            self._no_sync, self._streamer.sync = False, True
+            self._streamer.set_no_sync(False)
 
     # -- step ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -196,58 +187,20 @@ class ZeroOffload:
         (None when not needed). With delayed update past its warm-up the CPU step runs on the
         worker and lands at the next ``step()``."""
         try:
-            norm = self._step()
+            mark_stepped(self.optimizer)  # LR schedulers check that the optimizer stepped
+            self._check_open()
+            self._check_params()
+            self._calls += 1
+            self._timer.close(self._calls)
+            self._stepper.step(self.optimizer.param_groups, self._calls)
             # What the caller runs next (reading a weight, say) is compute-stream work: on the
             # emulated device, whose compute stream is this thread, it waits for the copies here.
             self._dev.compute_point()
-            return norm
+            return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
         except BaseException as e:
             if self.world_size > 1:  # peers stuck in a collective name this rank
                 collectives.report_failure(self.rank, e)
             raise
-
-    def _step(self) -> Tensor | None:
-        mark_stepped(self.optimizer)  # LR schedulers check that the optimizer stepped
-        self._check_open()
-        self._check_params()
-        self._calls += 1
-        k, prof, weights, cfg = self._calls, self._profile, self._weights, self.config
-        self._timer.close(k)
-        plan = self._stepper.decide(self.optimizer.param_groups, k)
-        self._streamer.profile_step = k + 1
-        self._delayed.land()  # step k-1's update lands now, before step k+1's forward
-        run = self._stepper.run_kernel
-        if plan is None:
-            prof.close(k)
-        elif cfg.delayed_update and self._stepper.steps[0] > cfg.delayed_update_warmup:
-            sources = self._streamer.sources()
-            self._host.swap()  # the worker reads these; the next backward fills the other set
-            weights.begin_push()
-            assert weights.spare is not None
-            self._delayed.submit(k, run, plan, sources, k, weights.spare, False)
-        else:
-            with prof.span("stall", k):
-                sources = self._streamer.sources()
-                weights.begin_push()
-                if self._worker is not None:  # bound to its cores; collectives stay here
-                    self._worker.run(run, plan, sources, k, weights.live, False)
-                    self._gather(weights.live)
-                else:
-                    run(plan, sources, k, weights.live, True)
-                weights.end_push()
-            prof.close(k)
-        return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
-
-    def _gather(self, target: list[Tensor]) -> None:
-        if self.world_size > 1:
-            for b in range(len(self.layout.buckets)):
-                self._weights.gather(b, target)
-
-    def _swap_in(self) -> None:
-        """Step i's weights (written by the worker into the spare buffers) become live."""
-        self._gather(self._weights.spare)  # type: ignore[arg-type]
-        self._weights.end_push()
-        self._weights.swap()
 
     def zero_grad(self) -> None:
         self._check_open()
@@ -315,11 +268,12 @@ class ZeroOffload:
         self._weights.check_views()
 
     # -- state --------------------------------------------------------------------------------
-    def _push_master(self) -> None:
-        """Collective: the device weights from the master weights (after a load)."""
-        host = self._host
-        self._weights.push([host.state(b)[0] for b in range(len(self.layout.buckets))],
-                           self._gather)
+    def _load(self, load: Callable[[Any], None], source: object) -> None:
+        """Collective: every step lands, ``load(source)`` fills the host state, and the device
+        weights follow the master weights."""
+        self.gather_weights()
+        load(source)
+        self._weights.push_all([self._host.state(b)[0] for b in range(len(self.layout.buckets))])
         self._dev.compute_point()
 
     def state_dict(self) -> dict:
@@ -330,9 +284,7 @@ class ZeroOffload:
 
     def load_state_dict(self, state: dict) -> None:
         """Collective. Resume from this rank's ``state_dict()`` (same world size and model)."""
-        self.gather_weights()
-        self._state.load_shard(state)
-        self._push_master()
+        self._load(self._state.load_shard, state)
 
     def full_state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict:
         """Collective. ``{"model": fp32 state_dict, "optimizer": torch AdamW format}`` for a plain
@@ -345,9 +297,7 @@ class ZeroOffload:
     def load_full_state_dict(self, state: dict) -> None:
         """Collective. The consolidated form (any world size) or ``{"model": model.state_dict(),
         "optimizer": AdamW.state_dict()}``."""
-        self.gather_weights()
-        self._state.load_full(state)
-        self._push_master()
+        self._load(self._state.load_full, state)
 
     def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
                         extra: dict[str, dict] | None = None) -> None:
@@ -361,9 +311,7 @@ class ZeroOffload:
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
-        self.gather_weights()
-        self._state.load(path)
-        self._push_master()
+        self._load(self._state.load, path)
 
     # -- teardown -----------------------------------------------------------------------------
     def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False,

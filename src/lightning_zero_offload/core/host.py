@@ -14,7 +14,8 @@ are packed into a few power-of-two blocks (a few percent lost at most), and the 
 whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
 of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only once
 a step accumulates several flushes of a bucket; it is budgeted anyway and allocated by
-:meth:`HostBuffers.need_fp32_grads`, called before a backward that accumulates, never in a hook.
+:meth:`HostBuffers.need_fp32_grads`, which the gradient streamer calls before a backward that
+accumulates, never in a hook.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.layout import Layout, shard_pieces
+from lightning_zero_offload.core.limits import BUCKET_BUFFERS
+from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
 _SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
@@ -133,14 +136,11 @@ def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.
 def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained: dict[int, str],
                   dtype: torch.dtype, *, cpu: bool, delayed: bool) -> Sizes:
     """:func:`budget` for an engine over ``module`` (``trained``: its managed parameters)."""
-    from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
-    from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
-
     return budget(sizes, sum(layout.group_numel),
                   max((b.numel for b in layout.buckets), default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=frozen_bytes(module, trained, dtype),
                   untrained_bytes=untrained_bytes(module, trained, dtype),
-                  buckets_in_flight=MAX_IN_FLIGHT + 1)  # on the CPU, host memory too
+                  buckets_in_flight=BUCKET_BUFFERS)  # on the CPU, host memory too
 
 
 class _Arena:
@@ -169,15 +169,12 @@ class _Arena:
 class GradSet:
     """One set of gradient buffers: fp32 per group (maybe not allocated yet) and staging."""
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool,
-                 fp32_now: bool) -> None:
+    def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool) -> None:
         self.layout = layout
         self.fp32: list[Tensor] | None = None
         self._arena = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                        if staged else None)
         self.staging = self._arena.slices if self._arena is not None else None
-        if fp32_now:
-            self.allocate_fp32()
 
     def allocate_fp32(self) -> None:
         if self.fp32 is None:
@@ -217,14 +214,13 @@ class HostBuffers:
         # is the same at another world size rounds the same.
         self._base = [sum(layout.group_numel[:g]) for g in range(len(n))]
         self.rank = rank
-        # On the CPU the fp32 gradient is where buckets land, so it always exists.
-        self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned,
-                                      fp32_now=not asynchronous)
+        self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned)
         self.spare: GradSet | None = (
-            GradSet(layout, dtype, asynchronous, pinned, fp32_now=not asynchronous)
-            if delayed else None)
+            GradSet(layout, dtype, asynchronous, pinned) if delayed else None)
         self._out = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                      if half and not out_direct else None)
+        if not asynchronous:  # on the CPU the fp32 gradient is where buckets land: always there
+            self.need_fp32_grads()
 
     @property
     def exp_avg(self) -> list[Tensor]:
@@ -264,7 +260,8 @@ class HostBuffers:
         return None if self._out is None else self._out.slices[b]
 
     def need_fp32_grads(self) -> None:
-        """Called before a backward that accumulates: the fp32 gradient of both sets exists."""
+        """The fp32 gradient of both sets exists from here on (the one place that allocates
+        it: at setup on the CPU, else when the streamer first accumulates, before autograd)."""
         for s in (self.grads, self.spare):
             if s is not None:
                 s.allocate_fp32()

@@ -8,6 +8,7 @@ starts every rank from rank 0's weights and buffers, so every adapter gets the s
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero_offload.core import checks, collectives
+from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.layout import Layout
+
+logger = logging.getLogger(__name__)
 
 
 def _describe(layout: Layout, module: nn.Module) -> list[str]:
@@ -36,8 +39,11 @@ def start(layout: Layout, module: nn.Module, group: Any, device: torch.device,
     except MemoryError as e:
         error = e
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        logger.debug("setup: agreeing with the other ranks (model, host memory checks)")
         agree(layout, module, group, error)
-        broadcast_start(layout, module, group, checks.collective_device(group, device))
+        logger.debug("setup: agreed; taking rank 0's starting weights and buffers")
+        broadcast_start(layout, module, group, collectives.collective_device(group, device))
+        logger.debug("setup: rank 0's starting weights taken")
     elif error is not None:
         raise error
 

@@ -1,12 +1,16 @@
 """The optimizer step: its decision (global norm, clip coefficient, loss scale, hyperparameters)
 and the fused kernel over this rank's shard.
 
-``decide`` runs on the caller's thread and settles everything that needs all ranks or the
-user's live state, including which parameters got a gradient on any rank: as torch's AdamW, the
-step leaves the others untouched (no decay, no moment update) and counts steps per parameter.
-``run_kernel`` only runs the kernel, chunk by chunk (a chunk is a bucket's shard, cut where
-parameters skip), each finished chunk's weights queued for the device while the next computes;
-it may run on the delayed-update worker, so it issues no collective unless told to (``gather``).
+``Stepper.step`` is one whole step, from the engine's ``step()`` down to the kernel and back:
+``decide`` (on the caller's thread) settles everything that needs all ranks or the user's live
+state, including which parameters got a gradient on any rank: as torch's AdamW, the step leaves
+the others untouched (no decay, no moment update) and counts steps per parameter. The previous
+delayed update lands, then the kernel runs here, on the core-bound worker, or (delayed update)
+on the worker while the caller goes on. The kernel runs chunk by chunk (a chunk is a bucket's
+shard, cut where parameters skip), each finished chunk's weights queued on the step's
+``WeightPush`` while the next computes; on the worker it issues no collective (``gather``).
+The step owns its counters (steps per group and per parameter, the loss scaler) and their
+``state_dict``.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from torch import Tensor
 
 from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 from lightning_zero_offload.ops import fused_adamw_
 
 Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
@@ -57,14 +62,22 @@ def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, 
     return out
 
 
+def clip_coef(max_norm: float, norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient (NaN stays NaN, as there)."""
+    coef = max_norm / (norm + 1e-6)
+    return 1.0 if coef >= 1.0 else coef
+
+
 class Stepper:
     """Owns the step counts, the pending clip coefficient and the fp16 loss scaler."""
 
     def __init__(self, layout: Layout, host: HostBuffers, weights: DeviceWeights,
                  streamer: GradStreamer, config: ZeroOffloadConfig, *, decoupled: bool,
                  rank: int, process_group: object | None, threads: int, out_direct: bool,
-                 profile: ProfileRecorder) -> None:
+                 profile: ProfileRecorder, worker: CpuStepWorker | None,
+                 delayed: DelayedUpdate) -> None:
         self.layout, self.host, self.weights, self.streamer = layout, host, weights, streamer
+        self.worker, self.delayed = worker, delayed
         self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
         self.world_size = layout.world_size
         self.threads, self.out_direct, self.profile = threads, out_direct, profile
@@ -88,7 +101,7 @@ class Stepper:
         if self._clip_norm is None:
             self._clip_norm = raw
         current = raw * self._clip_coef
-        self._clip_coef *= checks.clip_coef(float(max_norm), current)
+        self._clip_coef *= clip_coef(float(max_norm), current)
         return current
 
     def global_norm(self, norm_type: float) -> float:
@@ -96,7 +109,7 @@ class Stepper:
         local = self.streamer.local_sq_sum() if norm_type == 2.0 else None
         if local is None:
             parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                     for g in self.streamer.sources() if g.numel()]
+                     for g in self.streamer.fold_last_flush() if g.numel()]
             if not parts:
                 local = torch.tensor(0.0)
             elif math.isinf(norm_type):
@@ -105,7 +118,7 @@ class Stepper:
                 local = torch.stack(parts).double().pow(norm_type).sum()
         local = local.double()
         if self.world_size > 1:
-            local = local.to(checks.collective_device(self.group, self.weights.dev.device))
+            local = local.to(collectives.collective_device(self.group, self.weights.dev.device))
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             collectives.all_reduce(local, op, self.group, "all-reduce of the gradient norm")
         total = local.item()
@@ -129,7 +142,7 @@ class Stepper:
         self.last_grad_norm = norm
         if self.config.max_grad_norm:
             assert norm is not None
-            coef *= checks.clip_coef(self.config.max_grad_norm, norm * coef)
+            coef *= clip_coef(self.config.max_grad_norm, norm * coef)
         scale = 1.0
         if self.scaler is not None:
             assert norm is not None
@@ -161,7 +174,7 @@ class Stepper:
         if self.world_size == 1:
             return list(had)
         flags = torch.tensor(had, dtype=torch.uint8).to(
-            checks.collective_device(self.group, self.weights.dev.device))
+            collectives.collective_device(self.group, self.weights.dev.device))
         collectives.all_reduce(flags, dist.ReduceOp.MAX, self.group,
                                "all-reduce of which parameters got a gradient")
         return [bool(f) for f in flags.tolist()]
@@ -186,41 +199,78 @@ class Stepper:
             runs = [(0, self.layout.buckets[b].shard, runs[0][2])]
         return runs
 
-    # -- the kernel ---------------------------------------------------------------------------
-    def run_kernel(self, plan: StepPlan, sources: list[Tensor], step: int,
-                   target: list[Tensor], gather: bool) -> None:
-        """The fused kernel over this rank's shard into ``target`` (the live weights, or the
-        spare ones on the delayed worker). ``gather``: all-gather each bucket as it is done
+    # -- the step ---------------------------------------------------------------------------
+    def step(self, param_groups: list[dict], k: int) -> None:
+        """Step ``k`` (collective): settle it, land step k-1's delayed update, then run the
+        kernel here, on the core-bound worker (the gathers follow here), or, under delayed
+        update past its warm-up, on the worker into the spare weights (they land at the next
+        collective call)."""
+        plan = self.decide(param_groups, k)
+        self.streamer.profile_step = k + 1
+        self.delayed.land()  # step k-1's update lands now, before step k+1's forward
+        cfg, prof, weights = self.config, self.profile, self.weights
+        if plan is None:
+            prof.close(k)
+        elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
+            sources = self.streamer.fold_last_flush()
+            self.host.swap()  # the worker reads these; the next backward fills the other set
+            assert weights.spare is not None
+            push = weights.push(k, weights.spare)
+            self.delayed.submit(k, push, self._kernel, plan, sources, push, False)
+        else:
+            with prof.span("stall", k):
+                sources = self.streamer.fold_last_flush()
+                with weights.push(k, weights.live) as push:
+                    if self.worker is not None:  # bound to its cores; collectives stay here
+                        self.worker.run(self._kernel, plan, sources, push, False)
+                    else:
+                        self._kernel(plan, sources, push, True)
+            prof.close(k)
+
+    def _kernel(self, plan: StepPlan, sources: list[Tensor], push: WeightPush,
+                gather: bool) -> None:
+        """The fused kernel over this rank's shard into ``push.target`` (the live weights, or
+        the spare ones on the delayed worker). ``gather``: all-gather each bucket as it is done
         (only on the caller's thread)."""
-        weights = self.weights
-        weights.wait_copies_read()  # the last push's copies have read the buffers rewritten here
-        try:
-            with self.profile.span("cpu_step", step):
-                for b, bucket in enumerate(self.layout.buckets):
-                    hp = plan.hparams[bucket.group]
-                    master, moments = self.host.state(b)
-                    lo, hi = bucket.shard_range(self.rank)
-                    out = target[bucket.group][lo:hi] if self.out_direct else self.host.out(b)
-                    done = 0
-                    for begin, end, step in plan.runs[b]:
-                        self._untouched(master, out, done, begin)
-                        sl = slice(begin, end)
-                        fused_adamw_(master[sl], sources[b][sl], grad_scale=plan.grad_scale,
-                                     out=None if out is None else out[sl],
-                                     num_threads=self.threads, seed=self.config.moment_seed,
-                                     step=step, **moments.chunk(begin, end - begin).kernel_args(),
-                                     **hp)
-                        done = end
-                    self._untouched(master, out, done, bucket.shard)
-                    if not self.out_direct:
-                        weights.copy_shard(b, master if out is None else out, target)
-                    if gather and self.world_size > 1:
-                        weights.gather(b, target)
-            weights.end_copies(step)
-        except BaseException:
-            weights.abandon_push()
-            raise
+        k = push.step
+        assert k is not None, "a kernel push has a profile step"
+        push.wait_sources()  # the last push's copies have read the buffers rewritten here
+        with self.profile.span("cpu_step", k):
+            for b, bucket in enumerate(self.layout.buckets):
+                hp = plan.hparams[bucket.group]
+                master, moments = self.host.state(b)
+                lo, hi = bucket.shard_range(self.rank)
+                out = push.target[bucket.group][lo:hi] if self.out_direct else self.host.out(b)
+                done = 0
+                for begin, end, step in plan.runs[b]:
+                    self._untouched(master, out, done, begin)
+                    sl = slice(begin, end)
+                    fused_adamw_(master[sl], sources[b][sl], grad_scale=plan.grad_scale,
+                                 out=None if out is None else out[sl],
+                                 num_threads=self.threads, seed=self.config.moment_seed,
+                                 step=step, **moments.chunk(begin, end - begin).kernel_args(),
+                                 **hp)
+                    done = end
+                self._untouched(master, out, done, bucket.shard)
+                if not self.out_direct:
+                    push.copy(b, master if out is None else out)
+                if gather:
+                    push.gather(b)
+        push.copies_done()
         self.streamer.consumed(sources)
+
+    # -- the counters a checkpoint keeps --------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Steps per group and per parameter (layout order), the loss scaler's state."""
+        return {"steps": list(self.steps), "param_steps": list(self.param_steps),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The counters from :meth:`state_dict` (a saved scaler only where this step has one)."""
+        self.steps[:] = [int(n) for n in state["steps"]]
+        self.param_steps[:] = [int(n) for n in state["param_steps"]]
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
     @staticmethod
     def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:

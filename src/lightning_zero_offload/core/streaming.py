@@ -18,8 +18,9 @@ adds, then queues the next one), so backward never waits on the host. At most
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -28,9 +29,8 @@ from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import ALIGN, Layout, Slot
+from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 from lightning_zero_offload.core.profile import ProfileRecorder
-
-MAX_IN_FLIGHT = 2  # bucket buffers handed to the side stream and not yet released
 
 
 def _sq_sum(shard: Tensor) -> Tensor:
@@ -70,7 +70,8 @@ class GradStreamer:
         self.layout, self.host, self.dtype, self.dev = layout, host, dtype, dev
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
-        self.sync = True
+        self._local = False  # inside no_sync(): backward passes keep gradients on the device
+        self._pass_sync: bool | None = None  # the mode of the backward running now, if any
         self.profile_step = 1  # the optimizer step these gradients are for
         nb = len(layout.buckets)
         self._gaps = [_gaps(layout, b) for b in range(nb)]
@@ -96,6 +97,37 @@ class GradStreamer:
             s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
             for i, s in enumerate(layout.slots)
         ]
+
+    # -- the sync mode ---------------------------------------------------------------------------
+    @property
+    def sync(self) -> bool:
+        """Whether the hooks reduce and send gradients now (else they stay on the device)."""
+        return self._pass_sync if self._pass_sync is not None else not self._local
+
+    def set_no_sync(self, on: bool) -> None:
+        """``ZeroOffload.no_sync``: backward passes keep gradients on the device until then."""
+        self._local = on
+
+    @contextlib.contextmanager
+    def backward_pass(self, sync: bool) -> Iterator[None]:
+        """One backward through the engine; ``sync=False`` keeps its gradients on the device.
+        The fp32 gradient it will add into exists before autograd starts (never in a hook); a
+        failed pass is forgotten (:meth:`discard`)."""
+        self._pass_sync = sync and not self._local
+        if self._pass_sync and self.will_accumulate():
+            self._fp32_for_accumulation()
+        try:
+            yield
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            self._pass_sync = None
+
+    def _fp32_for_accumulation(self) -> None:
+        """A flush adds to an earlier one: the fp32 gradient must exist (the streamer is the
+        only one that asks for it; the host buffers allocate it once)."""
+        self.host.need_fp32_grads()
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_grad(self, i: int, param: Tensor) -> None:
@@ -260,7 +292,7 @@ class GradStreamer:
         # task (waiting for its copy and adding on the autograd thread would starve the device).
         # Host tasks run one at a time in submission order, so this bucket's previous task (and
         # with it the copy it queued) is done when this one starts.
-        self.host.need_fp32_grads()  # normally done by ZeroOffload.backward, before autograd
+        self._fp32_for_accumulation()  # normally done by backward_pass, before autograd
         into_empty = self._moved[b] == 0
         self._moved[b] += 1
 
@@ -296,17 +328,17 @@ class GradStreamer:
         micro-batches are reduced now. Returns False when no gradient arrived at all since
         ``zero_grad``."""
         if not self._in_backward and any(s.param.grad is not None for s in self.layout.slots):
-            if any(self.flushes):
-                self.host.need_fp32_grads()
-            self._in_backward = True
+            self._in_backward = True  # an accumulating flush allocates the fp32 gradient
         self.end_backward()
         self.drain()
         return any(self.flushes)
 
-    def sources(self) -> list[Tensor]:
+    def fold_last_flush(self) -> list[Tensor]:
         """Per bucket, this rank's gradient shard for the kernel (after ``finish``): the staging
-        slice (compute dtype) when the bucket was flushed once, else the fp32 gradient. Buckets
-        that got nothing since ``zero_grad`` read zeros."""
+        slice (compute dtype) when the bucket was flushed once, else the fp32 gradient, into
+        which the last flush, still in staging, is added here (the staging is then handed back,
+        so poisoned on the emulated device). Buckets that got nothing since ``zero_grad`` are
+        zeroed. Computed once per step; later calls return the same tensors."""
         if self._sources is None:
             gset = self.host.grads
             self._sources = [self._source(gset, b) for b in range(len(self.layout.buckets))]

@@ -7,15 +7,15 @@ place; the exact values of frozen parameters stay on the host (checkpoints and t
 round them). With delayed update a spare set of buffers receives step i's weights while step
 i+1 runs on the live set; :meth:`DeviceWeights.swap` exchanges them.
 
-A push (the copies of one step, or of a load) follows the rules of ``core.device``: the copy
-stream waits for the compute stream first (backward read the buffers being overwritten), the
-compute stream waits for the copy stream afterwards (the next forward reads them), and the host
-rewrites a copy's source only after waiting for the end of the previous push.
+A push (the copies of one step, or of a load) is one :class:`WeightPush`, which follows the
+rules of ``core.device``: the copy stream waits for the compute stream first (backward read the
+buffers being overwritten), the compute stream waits for the copy stream afterwards (the next
+forward reads them), and the host rewrites a copy's source only after waiting for the end of the
+previous push. Its all-gathers are the engine's only weight all-gathers, always on the caller's
+thread; under delayed update :meth:`DeviceWeights.land` finishes the worker's push and swaps.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,12 @@ def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dty
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
                for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)
+
+
+def _host_copy(t: Tensor) -> Tensor:
+    """A module buffer or untrained tensor for the full state: on the host, floats in fp32."""
+    t = t.detach().cpu()
+    return t.float() if t.is_floating_point() else t.clone()
 
 
 def _frozen(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> list[Tensor]:
@@ -65,7 +71,6 @@ class DeviceWeights:
         self.spare = [w.clone() for w in self.live] if delayed else None
         self._stream = dev.side_stream("h2d") if dev.asynchronous else None
         self._last: Event | None = None  # end of the last push: its copies have read the host
-        self._begin: tuple[float, Event] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -89,78 +94,48 @@ class DeviceWeights:
                     "setup?); the engine owns device placement and dtype"
                 )
 
-    # -- a push -------------------------------------------------------------------------------
-    def begin_push(self) -> None:
-        """On the main thread, before the first copy of a push: the copies go after everything
-        the compute stream has queued (the backward that read these buffers)."""
-        if self._stream is not None:
-            self.dev.stream_waits_compute(self._stream)
+    # -- pushes -------------------------------------------------------------------------------
+    def push(self, step: int | None, target: list[Tensor]) -> WeightPush:
+        """Open a push into ``target`` (the live weights, or the spare ones under delayed update)
+        for profile step ``step`` (None: a load, no span). On the main thread."""
+        return WeightPush(self, step, target)
 
-    def copy_shard(self, b: int, src: Tensor, target: list[Tensor]) -> None:
-        """Queue the copy of this rank's shard of bucket ``b`` from host ``src``."""
-        bucket = self.layout.buckets[b]
-        lo, hi = bucket.shard_range(self.rank)
-        dst = target[bucket.group][lo:hi]
-        if self._stream is None:
-            with torch.no_grad():
-                dst.copy_(src)
-            return
-        if self._begin is None:
-            self._begin = (self.profile.now(), self.dev.record(self._stream))
-        self.dev.run(self._stream, lambda: dst.copy_(src, non_blocking=True))
-
-    def gather(self, b: int, target: list[Tensor]) -> None:
-        """Queue the all-gather of bucket ``b`` (collective: every rank, the same order)."""
-        bucket = self.layout.buckets[b]
-        lo, hi = bucket.shard_range(self.rank)
-        flat = target[bucket.group]
-        full, mine = flat[bucket.start : bucket.start + bucket.numel], flat[lo:hi]
-        self.dev.collective(self._stream,
-                            lambda group: collectives.all_gather(full, mine, group))
-
-    def end_copies(self, step: int | None) -> None:
-        """After the last copy of a push (on the thread that queued them): the end the host
-        waits for before rewriting the sources, and the push's ``weight_copy`` span."""
-        begin, self._begin = self._begin, None
-        if self._stream is None:
-            return
-        end = self._last = self.dev.record(self._stream)
-        if step is not None and begin is not None:
-            self.profile.add_device("weight_copy", step, begin[0], begin[1], end)
-
-    def end_push(self) -> None:
-        """On the main thread, after the last copy or gather: the next forward waits for them."""
-        if self._stream is not None:
-            self.dev.compute_waits(self._stream)
-
-    def wait_copies_read(self) -> None:
-        """The host may rewrite the copies' sources (staging, master) once this returns."""
-        last, self._last = self._last, None
-        if last is not None:
-            last.wait()
-
-    def push(self, sources: list[Tensor], gather: Callable[[list[Tensor]], None]) -> None:
-        """A whole push into the live weights from per-bucket host ``sources`` (after a load);
-        ``gather`` all-gathers them (collective with several ranks)."""
-        self.wait_copies_read()
-        self.begin_push()
-        for b, src in enumerate(sources):
-            self.copy_shard(b, src, self.live)
-        self.end_copies(None)
-        gather(self.live)
-        self.end_push()
-
-    def abandon_push(self) -> None:
-        """After a failure between ``copy_shard`` and ``end_copies``: nothing stays half-open."""
-        self._begin = None
+    def push_all(self, sources: list[Tensor]) -> None:
+        """A whole push into the live weights from per-bucket host ``sources`` (after a load;
+        collective with several ranks)."""
+        with self.push(None, self.live) as push:
+            push.wait_sources()
+            for b, src in enumerate(sources):
+                push.copy(b, src)
 
     # -- delayed update -----------------------------------------------------------------------
+    def land(self, push: WeightPush) -> None:
+        """Step i's weights, written by the worker into the spare buffers through ``push``,
+        become the module's: the push is finished (all-gather, compute waits) and the buffers
+        swapped. Collective with several ranks; on the caller's thread."""
+        push.finish()
+        self.swap()
+
     def swap(self) -> None:
         """The spare buffers (step i's weights) become the module's weights."""
         assert self.spare is not None
         self.live, self.spare = self.spare, self.live
         with torch.no_grad():
             self._bind()
+
+    # -- exact copies of what the compute dtype rounds ----------------------------------------
+    def untrained(self) -> dict[str, Tensor]:
+        """Buffers and frozen parameters, on the host; frozen ones exact."""
+        frozen, trained = self.frozen, self.trained
+        return {name: frozen[id(t)].clone() if id(t) in frozen else _host_copy(t)
+                for name, t in self.module.state_dict(keep_vars=True).items()
+                if id(t) not in trained}
+
+    def remember_frozen(self, state: dict[str, Tensor]) -> None:
+        """After a load into the module: keep the exact values of its frozen parameters."""
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if id(t) in self.frozen and name in state:
+                self.frozen[id(t)].copy_(state[name])
 
     # -- teardown -----------------------------------------------------------------------------
     def restore(self, full_master: list[Tensor], device: torch.device | None = None) -> None:
@@ -181,3 +156,99 @@ class DeviceWeights:
     def free(self) -> None:
         self.live, self.spare = [], None
 
+
+
+class WeightPush:
+    """One push: the copies of new weights into ``target``, bucket shard by bucket shard, and
+    their all-gather, following the rules of ``core.device``.
+
+    Opened on the main thread (:meth:`DeviceWeights.push`): the copy stream waits for the compute
+    stream (rule 3: backward read the buffers being overwritten). The thread that writes the
+    copies' sources calls :meth:`wait_sources` first (the previous push's copies have read the
+    host buffers it rewrites), queues :meth:`copy` per bucket and ends with :meth:`copies_done`
+    (the end event the next push waits for, and the ``weight_copy`` span). :meth:`finish`, on
+    the caller's thread, all-gathers every bucket not gathered yet (collective with several
+    ranks: the delayed worker never calls it or :meth:`gather`) and makes the compute stream wait
+    for the copy stream (rule 2: the next forward reads the weights). As a context manager it
+    finishes on success and is abandoned on an exception (nothing stays half-open).
+    """
+
+    def __init__(self, weights: DeviceWeights, step: int | None, target: list[Tensor]) -> None:
+        self.weights, self.step, self.target = weights, step, target
+        self._gathered = [False] * len(weights.layout.buckets)
+        self._begin: tuple[float, Event] | None = None  # host time and event of the first copy
+        self._copied = self._closed = False
+        if weights._stream is not None:
+            weights.dev.stream_waits_compute(weights._stream)
+
+    def __enter__(self) -> WeightPush:
+        return self
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if error is None:
+            self.finish()
+        else:
+            self.abandon()
+
+    def wait_sources(self) -> None:
+        """The host may rewrite the copies' sources (staging, master) once this returns."""
+        w = self.weights
+        last, w._last = w._last, None
+        if last is not None:
+            last.wait()
+
+    def copy(self, b: int, src: Tensor) -> None:
+        """Queue the copy of this rank's shard of bucket ``b`` from host ``src``."""
+        w = self.weights
+        bucket = w.layout.buckets[b]
+        lo, hi = bucket.shard_range(w.rank)
+        dst = self.target[bucket.group][lo:hi]
+        if w._stream is None:
+            with torch.no_grad():
+                dst.copy_(src)
+            return
+        if self._begin is None:
+            self._begin = (w.profile.now(), w.dev.record(w._stream))
+        w.dev.run(w._stream, lambda: dst.copy_(src, non_blocking=True))
+
+    def gather(self, b: int) -> None:
+        """Queue the all-gather of bucket ``b`` (collective: every rank, the same order); a
+        no-op with one rank. Only on the caller's thread."""
+        self._gathered[b] = True
+        w = self.weights
+        if w.world_size == 1:
+            return
+        bucket = w.layout.buckets[b]
+        lo, hi = bucket.shard_range(w.rank)
+        flat = self.target[bucket.group]
+        full, mine = flat[bucket.start : bucket.start + bucket.numel], flat[lo:hi]
+        w.dev.collective(w._stream, lambda group: collectives.all_gather(full, mine, group))
+
+    def copies_done(self) -> None:
+        """After the last copy (on the thread that queued them): the end the next push's host
+        waits for, and the push's ``weight_copy`` span."""
+        self._copied = True
+        w, begin, self._begin = self.weights, self._begin, None
+        if w._stream is None:
+            return
+        end = w._last = w.dev.record(w._stream)
+        if self.step is not None and begin is not None:
+            w.profile.add_device("weight_copy", self.step, begin[0], begin[1], end)
+
+    def finish(self) -> None:
+        """On the caller's thread: the gathers not done yet, then the next forward waits."""
+        if self._closed:
+            raise RuntimeError("ZeroOffload internal error: a weight push finished twice")
+        if not self._copied:
+            self.copies_done()
+        for b, done in enumerate(self._gathered):
+            if not done:
+                self.gather(b)
+        self._closed = True
+        w = self.weights
+        if w._stream is not None:
+            w.dev.compute_waits(w._stream)
+
+    def abandon(self) -> None:
+        """After a failure: the push is dropped (its span too); it can no longer finish."""
+        self._begin, self._closed = None, True

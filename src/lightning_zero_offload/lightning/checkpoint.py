@@ -21,8 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_zero_offload.core import files
-from lightning_zero_offload.core import state as engine_state
+from lightning_zero_offload.core.checkpoint import files, formats
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -61,7 +60,7 @@ def _sharded_dir(path: object) -> Path | None:
         return None
     try:
         folder = files.resolve(path) if not Path(path).exists() else Path(path)
-    except files.CheckpointError:
+    except formats.CheckpointError:
         return None
     return folder if (folder / META).is_file() else None
 
@@ -92,7 +91,7 @@ def load_sharded_meta(path: _PATH, weights_only: bool | None = None) -> dict[str
     ``weights_only`` is ignored: the metadata is always loaded weights-only."""
     folder = _sharded_dir(path)
     if folder is None:
-        raise files.CheckpointError(f"{path} is not a sharded zero_offload checkpoint "
+        raise formats.CheckpointError(f"{path} is not a sharded zero_offload checkpoint "
                                            f"(no {META} in it)")
     meta = _read_meta(folder)
     meta.pop(_ALIASES, None)
@@ -116,7 +115,7 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     aliases = meta.pop(_ALIASES)
     path = folder
     shards = files.read_shard_dir(path)
-    full = engine_state.consolidate(shards)
+    full = formats.consolidate(shards)
     extra = shards[0].get("module_extra", {})
     model = {
         key: full["model"][aliases[key]] if key in aliases else extra[key]
@@ -137,7 +136,7 @@ def _refusing_sharded(load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load)
     def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
         if is_sharded(path_or_url):
-            raise files.CheckpointError(
+            raise formats.CheckpointError(
                 f"{str(path_or_url)!r} is a sharded zero_offload checkpoint (a folder with one "
                 "file per rank), which load_from_checkpoint cannot read. Consolidate it first: "
                 "lightning_zero_offload.lightning.consolidate_checkpoint(folder, 'model.ckpt'), "

@@ -23,10 +23,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core.checks import collective_device
+from lightning_zero_offload.core.collectives import collective_device
 from lightning_zero_offload.core.config_env import build_config
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-from lightning_zero_offload.lightning.registry import NAME
+
+NAME = "zero_offload"  # the strategies' name in Lightning's registries
 
 Scheduler = LRScheduler | ReduceLROnPlateau
 

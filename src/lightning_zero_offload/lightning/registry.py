@@ -6,7 +6,7 @@ calls :func:`register`; it is idempotent, so importing twice (or calling it agai
 
 from __future__ import annotations
 
-NAME = "zero_offload"
+from lightning_zero_offload.lightning.common import NAME
 
 
 def register() -> None:

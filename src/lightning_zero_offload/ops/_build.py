@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -37,6 +38,7 @@ INSTALL_HINT = (
     f"{ENV_KERNEL}=reference to use the slower pure-torch kernel."
 )
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _warned_no_compiler = False
@@ -143,6 +145,7 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
 
     module = _import_built(build_dir)
     if module is not None:
+        logger.debug("kernel: loaded the build in %s", build_dir)
         return module
     build_dir.mkdir(parents=True, exist_ok=True)
     # The compile takes ~20 s and torch's loader says nothing (verbose=False): say why we pause.
@@ -151,6 +154,7 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
     env_path = os.environ.get("PATH", "")
     # ninja is a dependency; make the venv's copy visible even when the venv is not activated.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env_path])
+    logger.debug("kernel: compiling %s with %s", build_dir, " ".join(cflags()))
     try:
         built = cpp_extension.load(  # a module (is_python_module defaults to True)
             name=module_name(build_dir),
@@ -161,6 +165,7 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
             verbose=verbose,
         )
         assert isinstance(built, ModuleType)
+        logger.debug("kernel: built in %s", build_dir)
         return built
     except Exception as e:  # noqa: BLE001 - re-raised with the compiler output and a remedy
         raise RuntimeError(
@@ -186,6 +191,7 @@ def load() -> ModuleType | None:
             return _ext
         build_dir = build_root() / cache_key()
         module = _import_built(build_dir)
+        logger.debug("kernel: %s in %s", "found a build" if module else "no build yet", build_dir)
         if module is None and find_compiler() is None:
             if mode == "cpp":
                 raise RuntimeError(

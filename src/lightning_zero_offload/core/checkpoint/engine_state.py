@@ -1,8 +1,11 @@
 """The engine's state in and out: this rank's shard, the consolidated form, checkpoint folders.
 
-:class:`EngineState` reads and writes the host buffers, step counts and loss scaler through the
-layout and this rank's place in it; it knows nothing of streams or the step. File formats and
-atomic I/O are ``core.state``'s. Calls that gather across ranks say "Collective".
+:class:`EngineState` reads and writes the host buffers through the layout and this rank's place
+in it; the step's counters (step counts, loss scaler) go through the step's own
+``state_dict``/``load_state_dict``, the exact frozen weights through the device weights. It
+knows nothing of streams. The formats are ``formats``'s, the files and atomic publish
+``files``'s, the checks ``validation``'s, the cross-rank agreement ``agreement``'s. Calls that
+gather across ranks say "Collective".
 """
 
 from __future__ import annotations
@@ -15,18 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.core import checks, collectives, files
-from lightning_zero_offload.core import state as ckpt
+from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core.checkpoint import agreement, files, formats, validation
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.weights import DeviceWeights
-
-
-def _host_copy(t: Tensor) -> Tensor:
-    """A module buffer or untrained tensor for the full state: on the host, floats in fp32."""
-    t = t.detach().cpu()
-    return t.float() if t.is_floating_point() else t.clone()
 
 
 class EngineState:
@@ -41,31 +38,31 @@ class EngineState:
 
     # -- this rank's shard --------------------------------------------------------------------
     def shard(self) -> dict:
-        scaler = self.stepper.scaler
+        counters = self.stepper.state_dict()
         return {
-            "format": files.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
+            "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             "precision": self.precision, "layout": self.layout.describe(),
             "moment_dtype": self.host.moment_dtype,
             "groups": [
-                {"step": self.stepper.steps[g], "master": self.host.master[g],
-                 **ckpt.moments_fields(self.host.moments[g])}
+                {"step": counters["steps"][g], "master": self.host.master[g],
+                 **formats.moments_fields(self.host.moments[g])}
                 for g in range(len(self.group_sizes))
             ],
-            "param_steps": list(self.stepper.param_steps),
-            "param_groups": [ckpt.group_hparams(g) for g in self.param_groups],
-            "scaler": scaler.state_dict() if scaler else None,
+            "param_steps": counters["param_steps"],
+            "param_groups": [formats.group_hparams(g) for g in self.param_groups],
+            "scaler": counters["scaler"],
         }
 
     def load_shard(self, state: dict) -> None:
         if self._converts_layout(state):
             self._load_converted(state)
             return
-        checks.check_shard(state, self)
+        validation.check_shard(state, self)
         md = self.host.moment_dtype
         with torch.no_grad():
             for g, saved in enumerate(state["groups"]):
                 self.host.master[g].copy_(saved["master"])
-                mine, theirs = self.host.moments[g], ckpt.group_moments(state, g)
+                mine, theirs = self.host.moments[g], formats.group_moments(state, g)
                 if theirs.moment_dtype == md:
                     mine.copy_(theirs)
                 else:  # same layout, other format: convert bucket shard by bucket shard
@@ -74,39 +71,35 @@ class EngineState:
                             a, k = bucket.host_offset, bucket.shard
                             m32, v32 = theirs.chunk(a, k).to_fp32()
                             mine.chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
-                self.stepper.steps[g] = int(saved["step"])
-        self.stepper.param_steps[:] = ckpt.param_steps(state)
+        self.stepper.load_state_dict({
+            "steps": [int(saved["step"]) for saved in state["groups"]],
+            "param_steps": formats.param_steps(state), "scaler": state.get("scaler")})
         for group, hp in zip(self.param_groups, state["param_groups"], strict=True):
             group.update(hp)
-        self._load_scaler(state)
 
     def _converts_layout(self, state: object) -> bool:
         """A one-rank shard of another ``moment_dtype`` whose layout differs only because of it
         (8-bit moments pad buckets to whole blocks): loaded through the consolidated form."""
-        return (isinstance(state, dict) and state.get("format") in files.SHARD_FORMATS
+        return (isinstance(state, dict) and state.get("format") in formats.SHARD_FORMATS
                 and self.world_size == 1 and state.get("world_size") == 1
-                and ckpt.shard_moment_dtype(state) != self.host.moment_dtype
+                and formats.shard_moment_dtype(state) != self.host.moment_dtype
                 and state.get("layout") != self.layout.describe())
 
     def _load_converted(self, state: dict) -> None:
         names = self.module.state_dict(keep_vars=True)
-        numels = [ckpt.shard_numel(state["layout"], g) for g in range(len(state["groups"]))]
-        ckpt.check_shard_groups(state, numels, "ZeroOffload.load_state_dict")
-        full = ckpt.consolidate([state])
-        trained, untrained = self.weights.trained, self.untrained()
+        numels = [formats.shard_numel(state["layout"], g) for g in range(len(state["groups"]))]
+        validation.check_shard_groups(state, numels, "ZeroOffload.load_state_dict")
+        full = formats.consolidate([state])
+        trained, untrained = self.weights.trained, self.weights.untrained()
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else untrained[k]
                  for k, v in names.items()}
         self.load_full({**full, "model": model, "scaler": state.get("scaler")})
-
-    def _load_scaler(self, state: dict) -> None:
-        if self.stepper.scaler is not None and state.get("scaler"):
-            self.stepper.scaler.load_state_dict(state["scaler"])
 
     # -- the consolidated form ----------------------------------------------------------------
     def gather_full(self, host: list[Tensor]) -> list[Tensor]:
         """Collective. Full fp32 flat buffers per group from every rank's shard of ``host``."""
         full = [torch.zeros(n) for n in self.layout.group_numel]
-        coll = (checks.collective_device(self.group, self.weights.dev.device)
+        coll = (collectives.collective_device(self.group, self.weights.dev.device)
                 if self.world_size > 1 else None)
         for bucket in self.layout.buckets:
             g, size = bucket.group, bucket.shard
@@ -132,55 +125,41 @@ class EngineState:
             m32[g][a : a + k], v32[g][a : a + k] = m, v
         return m32, v32
 
-    def untrained(self) -> dict[str, Tensor]:
-        """Buffers and frozen parameters, on the host; frozen ones exact."""
-        frozen, trained = self.weights.frozen, self.weights.trained
-        return {name: frozen[id(t)].clone() if id(t) in frozen else _host_copy(t)
-                for name, t in self.module.state_dict(keep_vars=True).items()
-                if id(t) not in trained}
-
-    def remember_frozen(self, state: dict[str, Tensor]) -> None:
-        """After a load into the module: keep the exact values of its frozen parameters."""
-        frozen = self.weights.frozen
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            if id(t) in frozen and name in state:
-                frozen[id(t)].copy_(state[name])
-
     def full(self, *, model: bool, optimizer: bool) -> dict:
         """Collective. See ``ZeroOffload.full_state_dict``."""
         flats = {"master": self.gather_full(self.host.master)} if model else {}
         if optimizer:
             m32, v32 = self.moments_fp32()
             flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
-        hparams = [ckpt.group_hparams(g) for g in self.param_groups]
-        out = ckpt.assemble(self.layout.describe(), flats, list(self.stepper.param_steps),
-                            hparams)
-        full: dict[str, Any] = {"format": files.FULL_FORMAT}
+        hparams = [formats.group_hparams(g) for g in self.param_groups]
+        counters = self.stepper.state_dict()
+        out = formats.assemble(self.layout.describe(), flats, counters["param_steps"], hparams)
+        full: dict[str, Any] = {"format": formats.FULL_FORMAT}
         trained = self.weights.trained
         if model:  # keyed like module.state_dict(): buffers and untrained tensors too
-            untrained = self.untrained()
+            untrained = self.weights.untrained()
             full["model"] = {
                 name: out["model"][trained[id(t)]] if id(t) in trained else untrained[name]
                 for name, t in self.module.state_dict(keep_vars=True).items()
             }
         if optimizer:
             full["optimizer"] = out["optimizer"]
-        scaler = self.stepper.scaler
-        full["scaler"] = scaler.state_dict() if scaler else None
+        full["scaler"] = counters["scaler"]
         return full
 
     def load_full(self, state: dict) -> None:
-        model, opt = checks.check_full(state, self)
+        model, opt = validation.check_full(state, self)
         with torch.no_grad():
             self.module.load_state_dict(model, strict=True)
-            self.remember_frozen(model)
+            self.weights.remember_frozen(model)
             states = opt["state"] if opt else {}
-            steps = self.stepper.steps
-            steps[:] = [0] * len(steps)
-            for i, s in enumerate(self.layout.slots):
+            steps, param_steps = [0] * len(self.group_sizes), []
+            for s in self.layout.slots:
                 n = int(states[s.index]["step"]) if s.index in states else 0
-                self.stepper.param_steps[i] = n
+                param_steps.append(n)
                 steps[s.group] = max(steps[s.group], n)
+            self.stepper.load_state_dict({"steps": steps, "param_steps": param_steps,
+                                          "scaler": state.get("scaler")})
             host, md = self.host, self.host.moment_dtype
             pieces: dict[int, list] = {}
             for piece in shard_pieces(self.layout, self.rank):
@@ -199,16 +178,15 @@ class EngineState:
                 host.moments[g].chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):
-                group.update(ckpt.group_hparams(saved))
-        self._load_scaler(state)
+                group.update(formats.group_hparams(saved))
 
     # -- checkpoint files ---------------------------------------------------------------------
     def _coll(self) -> torch.device:
-        return (checks.collective_device(self.group, self.weights.dev.device)
+        return (collectives.collective_device(self.group, self.weights.dev.device)
                 if self.world_size > 1 else torch.device("cpu"))
 
     def _agree(self, error: BaseException | None) -> None:
-        collectives.agree(error, self.world_size, self.group, self._coll())
+        agreement.agree(error, self.world_size, self.group, self._coll())
 
     def save(self, path: str | os.PathLike, *, sharded: bool,
              extra: dict[str, dict] | None = None) -> None:
@@ -217,23 +195,23 @@ class EngineState:
         path = files.check_name(path)
         on_zero = self.rank == 0
         if not sharded:
-            self._agree(collectives.capture(lambda: files.check_file_target(path))
+            self._agree(agreement.capture(lambda: files.check_file_target(path))
                         if on_zero else None)
             full = self.full(model=True, optimizer=True)
-            self._agree(collectives.capture(lambda: files.atomic_save(full, path))
+            self._agree(agreement.capture(lambda: files.atomic_save(full, path))
                         if on_zero else None)
             return
         token, error = files.begin_dir(path) if on_zero else ("", None)
-        token = collectives.share_token(token, self.world_size, self.group, self._coll())
+        token = agreement.share_token(token, self.world_size, self.group, self._coll())
         if error is not None or not token:
-            raise error or files.CheckpointError(
+            raise error or formats.CheckpointError(
                 f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
         tmp = files.temp_path(path, "tmp", token)
         try:
-            shard = {**self.shard(), "module_extra": self.untrained()}
-            self._agree(collectives.capture(lambda: files.atomic_save(
+            shard = {**self.shard(), "module_extra": self.weights.untrained()}
+            self._agree(agreement.capture(lambda: files.atomic_save(
                 shard, tmp / files.shard_name(self.rank, self.world_size))))
-            self._agree(collectives.capture(lambda: self._publish(tmp, path, token, extra or {}))
+            self._agree(agreement.capture(lambda: self._publish(tmp, path, token, extra or {}))
                         if on_zero else None)
         finally:
             if on_zero:
@@ -249,12 +227,12 @@ class EngineState:
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
         loaded: list[tuple[str, dict]] = []
-        self._agree(collectives.capture(lambda: loaded.append(self._read(files.resolve(path)))))
+        self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
                 self.module.load_state_dict(state["module_extra"], strict=False)
-            self.remember_frozen(state["module_extra"])
+            self.weights.remember_frozen(state["module_extra"])
             self.load_shard(state)
         else:
             self.load_full(state)
@@ -263,25 +241,25 @@ class EngineState:
         """``("shard", this rank's shard)`` or ``("full", full state)``, validated."""
         if not path.is_dir():
             full = files.safe_load(path)
-            checks.check_full(full, self)
+            validation.check_full(full, self)
             return "full", full
         trained = self.weights.trained
         names = self.module.state_dict(keep_vars=True)
         shards = files.read_shards(path, self.rank, self.world_size)
-        ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
+        validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
                                       for k, v in names.items()})
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
             if shards[0]["layout"] == self.layout.describe():
-                checks.check_shard(shards[0], self)
+                validation.check_shard(shards[0], self)
                 return "shard", shards[0]
             # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets
             # to whole blocks): through the consolidated form, which needs every shard.
             shards = files.read_shards(path, -1, 0)
-            ckpt.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
+            validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
                                           for k, v in names.items()})
-        full = ckpt.consolidate(shards)
+        full = formats.consolidate(shards)
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else
                  shards[0]["module_extra"][k] for k, v in names.items()}
         full = {**full, "model": model, "scaler": shards[0]["scaler"]}
-        checks.check_full(full, self)
+        validation.check_full(full, self)
         return "full", full

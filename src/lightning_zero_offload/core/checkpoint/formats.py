@@ -1,4 +1,4 @@
-"""Checkpoint formats: per-rank shards, the consolidated (torch AdamW) form, their checks.
+"""Checkpoint formats: per-rank shards and the consolidated (torch AdamW) form.
 
 A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its moments per group
 as the engine holds them (``"moment_dtype"``: fp32, bf16, or 8-bit codes with their per-block
@@ -7,24 +7,27 @@ and per parameter (``"param_steps"``, in layout order; before format ``/3`` the 
 hyperparameters, the loss scaler and the layout that produced it. The layout lets
 :func:`consolidate` rebuild the full, world-size-independent form from all shards: a fp32 model
 state_dict plus a ``torch.optim.AdamW``-format optimizer state_dict. Files, checksums and atomic
-publishing are ``core.files``'s (its names are re-exported here, the checkpoint API in one place).
+publishing are ``files``'s; the checks of a loaded state are ``validation``'s.
 """
 
-
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.files import (  # re-exported: the checkpoint API
-    SHARD_FORMATS,
-    CheckpointError,
-)
-from lightning_zero_offload.ops.moments import MOMENT_DTYPES, Moments, num_blocks
+from lightning_zero_offload.ops.moments import Moments
 
+# /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")
+SHARD_FORMAT = "lightning_zero_offload.shard/3"
+SHARD_FORMATS = ("lightning_zero_offload.shard/1", "lightning_zero_offload.shard/2",
+                 SHARD_FORMAT)  # what loads read
+FULL_FORMAT = "lightning_zero_offload.full/1"
+DIR_FORMAT = "lightning_zero_offload.dir/1"
 MOMENT_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not exist, cannot be read, or does not fit this engine."""
 
 
 
@@ -114,65 +117,3 @@ def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
 
 def shard_numel(desc: dict, group: int) -> int:
     return sum(numel // desc["world_size"] for g, _, numel, _ in desc["buckets"] if g == group)
-
-
-def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None, tuple]]) -> None:
-    """Check shards against each other and the module before anything is loaded.
-
-    ``expected`` maps each key of the module's state_dict to ``(name of the trained parameter it
-    holds or None, shape)``; trained ones must be in the layout, the rest in ``module_extra``.
-    """
-    first = shards[0]
-    for s in shards:
-        if (s.get("format") not in SHARD_FORMATS or s["layout"] != first["layout"]
-                or shard_moment_dtype(s) != shard_moment_dtype(first)):
-            raise CheckpointError("checkpoint shards come from different saves; use another "
-                                  "checkpoint")
-        check_shard_groups(s, [shard_numel(s["layout"], g) for g in range(len(s["groups"]))],
-                           f"shard of rank {s['rank']}")
-    _check_module(first, expected)
-
-
-def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
-    """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
-    dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
-    md = shard_moment_dtype(shard)
-    if md not in MOMENT_DTYPES:
-        raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
-    if len(shard["groups"]) != len(numels):
-        raise CheckpointError(f"{who}: {len(shard['groups'])} groups, expected {len(numels)}")
-    steps = shard.get("param_steps")
-    if steps is not None and (
-            not isinstance(steps, list) or len(steps) != len(shard["layout"]["params"])
-            or not all(isinstance(n, int) and n >= 0 for n in steps)):
-        raise CheckpointError(f"{who}: param_steps is not one step count per parameter (corrupt "
-                              "shard?); use another checkpoint")
-    for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
-        want = {"master": (n, torch.float32), "exp_avg": (n, MOMENT_STORAGE[md]),
-                "exp_avg_sq": (n, MOMENT_STORAGE[md])}
-        if md == "int8":
-            want["exp_avg_scales"] = want["exp_avg_sq_scales"] = (num_blocks(n), torch.float32)
-        for key, (numel, dtype) in want.items():
-            t = grp.get(key)
-            if not isinstance(t, Tensor) or t.numel() != numel or t.dtype != dtype:
-                raise CheckpointError(
-                    f"{who}: group {g} {key} has the wrong size or dtype (expected {numel} "
-                    f"{dtype} for {md} moments; corrupt shard?); use another checkpoint")
-
-
-def _check_module(shard: dict, expected: Mapping[str, tuple[str | None, tuple]]) -> None:
-    params = {name: tuple(shape) for name, _, _, _, _, shape in shard["layout"]["params"]}
-    extra = shard["module_extra"]
-    for key, (trained, shape) in expected.items():
-        saved = params.get(trained) if trained is not None else (
-            tuple(extra[key].shape) if key in extra else None)
-        if saved is None:
-            raise CheckpointError(f"the checkpoint has no entry for {key!r}: it was written for "
-                                  "a different model")
-        if saved != tuple(shape):
-            raise CheckpointError(f"{key!r} has shape {saved} in the checkpoint, the module has "
-                                  f"{tuple(shape)}: it was written for a different model")
-    unexpected = sorted(set(extra) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"the checkpoint holds {unexpected[:5]}, which the module lacks: "
-                              "it was written for a different model")

@@ -7,8 +7,8 @@ folder marked by :data:`MANIFEST` (JSON, written last): it is written under
 ``.NAME.tmp-TOKEN`` and published by two renames (the old folder to ``.NAME.old-TOKEN``, the new
 one into place); a save killed between them leaves the old folder, which a load then falls back
 to. Only folders holding a manifest and exactly the files it lists are ever replaced, and only
-leftovers named as above whose process is gone are ever removed. The formats themselves are
-``core.state``'s.
+leftovers named as above whose process is gone are ever removed. What the files hold is
+``formats``'s.
 """
 
 from __future__ import annotations
@@ -30,20 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.collectives import capture
+from lightning_zero_offload.core.checkpoint.agreement import capture
+from lightning_zero_offload.core.checkpoint.formats import (
+    DIR_FORMAT,
+    FULL_FORMAT,
+    SHARD_FORMATS,
+    CheckpointError,
+)
 
-# /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")
-SHARD_FORMAT = "lightning_zero_offload.shard/3"
-SHARD_FORMATS = ("lightning_zero_offload.shard/1", "lightning_zero_offload.shard/2",
-                 SHARD_FORMAT)  # what loads read
-FULL_FORMAT = "lightning_zero_offload.full/1"
-DIR_FORMAT = "lightning_zero_offload.dir/1"
 MANIFEST = "zero_offload.json"  # marks (and completes) a checkpoint folder of this library
 CHECKSUM_KEY = "zero_offload_checksum"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not exist, cannot be read, or does not fit this engine."""
 
 
 # -- checksums ------------------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""Checks of a checkpoint before anything of it is loaded: shards against each other, against
+the module, and against this engine's layout; the consolidated form against the module and
+optimizer. Every failure is a ``CheckpointError`` that says what does not fit and what to use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.core.checkpoint.formats import (
+    MOMENT_STORAGE,
+    SHARD_FORMATS,
+    CheckpointError,
+    shard_moment_dtype,
+    shard_numel,
+)
+from lightning_zero_offload.ops.moments import MOMENT_DTYPES, num_blocks
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.checkpoint.engine_state import EngineState
+
+
+def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None, tuple]]) -> None:
+    """Check shards against each other and the module before anything is loaded.
+
+    ``expected`` maps each key of the module's state_dict to ``(name of the trained parameter it
+    holds or None, shape)``; trained ones must be in the layout, the rest in ``module_extra``.
+    """
+    first = shards[0]
+    for s in shards:
+        if (s.get("format") not in SHARD_FORMATS or s["layout"] != first["layout"]
+                or shard_moment_dtype(s) != shard_moment_dtype(first)):
+            raise CheckpointError("checkpoint shards come from different saves; use another "
+                                  "checkpoint")
+        check_shard_groups(s, [shard_numel(s["layout"], g) for g in range(len(s["groups"]))],
+                           f"shard of rank {s['rank']}")
+    _check_module(first, expected)
+
+
+def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
+    """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
+    dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
+    md = shard_moment_dtype(shard)
+    if md not in MOMENT_DTYPES:
+        raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
+    if len(shard["groups"]) != len(numels):
+        raise CheckpointError(f"{who}: {len(shard['groups'])} groups, expected {len(numels)}")
+    steps = shard.get("param_steps")
+    if steps is not None and (
+            not isinstance(steps, list) or len(steps) != len(shard["layout"]["params"])
+            or not all(isinstance(n, int) and n >= 0 for n in steps)):
+        raise CheckpointError(f"{who}: param_steps is not one step count per parameter (corrupt "
+                              "shard?); use another checkpoint")
+    for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
+        want = {"master": (n, torch.float32), "exp_avg": (n, MOMENT_STORAGE[md]),
+                "exp_avg_sq": (n, MOMENT_STORAGE[md])}
+        if md == "int8":
+            want["exp_avg_scales"] = want["exp_avg_sq_scales"] = (num_blocks(n), torch.float32)
+        for key, (numel, dtype) in want.items():
+            t = grp.get(key)
+            if not isinstance(t, Tensor) or t.numel() != numel or t.dtype != dtype:
+                raise CheckpointError(
+                    f"{who}: group {g} {key} has the wrong size or dtype (expected {numel} "
+                    f"{dtype} for {md} moments; corrupt shard?); use another checkpoint")
+
+
+def _check_module(shard: dict, expected: Mapping[str, tuple[str | None, tuple]]) -> None:
+    params = {name: tuple(shape) for name, _, _, _, _, shape in shard["layout"]["params"]}
+    extra = shard["module_extra"]
+    for key, (trained, shape) in expected.items():
+        saved = params.get(trained) if trained is not None else (
+            tuple(extra[key].shape) if key in extra else None)
+        if saved is None:
+            raise CheckpointError(f"the checkpoint has no entry for {key!r}: it was written for "
+                                  "a different model")
+        if saved != tuple(shape):
+            raise CheckpointError(f"{key!r} has shape {saved} in the checkpoint, the module has "
+                                  f"{tuple(shape)}: it was written for a different model")
+    unexpected = sorted(set(extra) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"the checkpoint holds {unexpected[:5]}, which the module lacks: "
+                              "it was written for a different model")
+
+
+def check_shard(state: Any, engine: EngineState) -> None:
+    """``state`` is this rank's shard of this very layout (``ZeroOffload.load_state_dict``)."""
+    if not isinstance(state, dict) or state.get("format") not in SHARD_FORMATS:
+        raise CheckpointError(
+            "ZeroOffload.load_state_dict: not a ZeroOffload shard (expected the dict returned by "
+            "ZeroOffload.state_dict(); for the consolidated form use load_full_state_dict)"
+        )
+    if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
+        raise CheckpointError(
+            f"ZeroOffload.load_state_dict: shard of rank {state['rank']} of {state['world_size']} "
+            f"cannot load into rank {engine.rank} of {engine.world_size}; use save_checkpoint/"
+            "load_checkpoint or full_state_dict/load_full_state_dict to change world size"
+        )
+    if state["layout"] != engine.layout.describe():
+        saved = shard_moment_dtype(state)
+        why = (f" (or its moment_dtype={saved!r}: int8 moments pad buckets to whole 256-element "
+               "blocks, so the layout differs)" if saved != engine.host.moment_dtype else "")
+        raise CheckpointError(
+            "ZeroOffload.load_state_dict: the shard was written for a different model, optimizer "
+            f"grouping or bucket size{why}; load it through save_checkpoint/load_checkpoint or "
+            "full_state_dict/load_full_state_dict"
+        )
+    check_shard_groups(state, list(engine.layout.group_shard_numel),
+                       "ZeroOffload.load_state_dict")
+
+
+def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
+    """``state`` is a consolidated form that fits the module and optimizer; returns its model
+    state_dict and optimizer state (None when it has none)."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise CheckpointError(
+            "ZeroOffload.load_full_state_dict: expected {'model': state_dict, 'optimizer': "
+            "AdamW state_dict (optional)}"
+        )
+    model, opt = state["model"], state.get("optimizer")
+    expected = engine.module.state_dict()
+    missing = sorted(set(expected) - set(model))
+    unexpected = sorted(set(model) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"ZeroOffload.load_full_state_dict: model keys do not match the module (missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for k, t in expected.items():
+        if tuple(model[k].shape) != tuple(t.shape):
+            raise CheckpointError(f"ZeroOffload.load_full_state_dict: {k!r} has shape "
+                                  f"{tuple(model[k].shape)}, the module has {tuple(t.shape)}")
+    if opt is None:
+        return model, None
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    if groups is None or not isinstance(opt.get("state"), dict) or [
+        len(g["params"]) for g in groups
+    ] != engine.group_sizes:
+        raise CheckpointError(
+            "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
+            "param groups (same groups with the same number of parameters are needed)"
+        )
+    for slot in engine.layout.slots:
+        st = opt["state"].get(slot.index)
+        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.shape):
+            raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
+                                  f"{slot.name!r} has the wrong shape")
+    return model, opt
