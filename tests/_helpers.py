@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -28,8 +29,9 @@ def tiny_engine(seed: int = 0, *, model: nn.Module | None = None, model_kw: dict
     """The tiny GPT (``make(seed, **model_kw)``, or ``model``) under ``optim`` with its two GPT
     parameter groups at ``lr`` and weight decay 0.1; ``cfg`` goes to ``ZeroOffload``.
 
-    ``lr=None`` keeps the optimizer's own defaults; the small default buckets give several
-    buckets even for the tiny model (``bucket_size_mb=None``: the engine's default).
+    ``lr=None``: ``optim(param_groups(model))``, the optimizer's own lr and weight decay outside
+    what the groups set. The small default buckets give several buckets even for the tiny model
+    (``bucket_size_mb=None``: the engine's default).
     """
     if model is None:
         model = make(seed, **(model_kw or {}))
@@ -128,7 +130,7 @@ class Payload:
     def __init__(self, marker: Path) -> None:
         self.marker = marker
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (Path.touch, (self.marker,))
 
 
@@ -181,7 +183,7 @@ def compiled_kernel() -> ModuleType:
     return ext
 
 
-def force_isa(name: str):
+def force_isa(name: str) -> AbstractContextManager[None]:
     """``ops.force_isa(name)``, or a skip when this CPU lacks that path; a name that is no path
     of the kernel fails, so a typo or a removed path cannot pass as a skip."""
     assert name in ISAS, f"{name!r} is not a SIMD path of the kernel (they are {ISAS})"
