@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from _helpers import compiled_kernel
 
 
 @pytest.fixture
@@ -16,3 +17,9 @@ def isolated_process_group():
         torch.distributed.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The compiled kernel for the tests of it; skips them where the reference is in use."""
+    return compiled_kernel()

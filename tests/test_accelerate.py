@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _helpers import SubAdamW, total_rel_err
 from torch import nn
 
 pytest.importorskip("accelerate")
@@ -80,12 +81,6 @@ def _weights(accelerator, model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
 
 
-def _rel_err(a: dict, b: dict) -> float:
-    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in b)
-    den = sum(float(b[k].double().norm() ** 2) for k in b)
-    return (num / den) ** 0.5
-
-
 def _train(offload: bool, world: int = 1, opt_cls: type = torch.optim.AdamW):
     acc, _, model, opt, loader, sched = _setup(offload, world, opt_cls)
     norms = _run(acc, model, opt, loader, sched)
@@ -98,7 +93,7 @@ def _compare_ranks(rank: int, world: int) -> tuple:
     reset_accelerate()
     ours, our_norms = _train(True, world)
     assert AcceleratorState().num_processes == world
-    return _rel_err(ours, plain), plain_norms, our_norms
+    return total_rel_err(ours, plain), plain_norms, our_norms
 
 
 def _check(err: float, plain_norms: list, our_norms: list) -> None:
@@ -148,7 +143,7 @@ def test_flag_off_is_plain_prepare(monkeypatch):
     w_off = _weights(acc, model)
     reset_accelerate()
     plain, _ = _train(False)
-    assert _rel_err(w_off, plain) == 0.0
+    assert total_rel_err(w_off, plain) == 0.0
 
 
 def test_flag_on_from_env(monkeypatch):
@@ -174,7 +169,7 @@ def _resume(rank: int, world: int, path: str) -> float:
     acc, _, model, opt, loader, sched = _setup(True, world)
     acc.load_state(path)
     _run(acc, model, opt, loader, sched, skip=half)
-    return _rel_err(_weights(acc, model), straight)
+    return total_rel_err(_weights(acc, model), straight)
 
 
 def test_save_load_state_resumes_exactly(tmp_path):
@@ -209,7 +204,7 @@ def _save_after_the_loop(rank: int, world: int, path: str) -> tuple[float, float
     acc.load_state(path)
     loaded = _weights(acc, model)
     _run(acc, model, opt, loader, sched)
-    return _rel_err(loaded, saved), _rel_err(_weights(acc, model), straight)
+    return total_rel_err(loaded, saved), total_rel_err(_weights(acc, model), straight)
 
 
 def test_save_state_after_the_loop_resumes_exactly(tmp_path):
@@ -333,15 +328,11 @@ def test_precision_unset_takes_accelerates_and_an_explicit_other_one_raises(monk
     assert ZeroOffloadPlugin(enabled=True).resolve_config("no").precision == "32-true"
 
 
-class SubAdamW(torch.optim.AdamW):
-    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
-
-
 def test_adamw_subclass_matches_plain_accelerate():
     plain, plain_norms = _train(False, opt_cls=SubAdamW)
     reset_accelerate()
     ours, our_norms = _train(True, opt_cls=SubAdamW)
-    _check(_rel_err(ours, plain), plain_norms, our_norms)
+    _check(total_rel_err(ours, plain), plain_norms, our_norms)
 
 
 def test_bf16_trains_and_saves_fp32_master_weights():

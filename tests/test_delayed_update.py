@@ -9,9 +9,11 @@ forward runs on weights through k-1), and a flush copies the latest.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from _helpers import rel_err, tiny_engine
 from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload
@@ -53,16 +55,13 @@ class StaleAdamW:
             d.copy_(m)
 
 
-def _engine(model: torch.nn.Module, max_norm: float | None, **kw: object) -> tuple:
+def _engine(model: torch.nn.Module, max_norm: float | None, **kw: Any) -> tuple:
+    """The engine StaleAdamW models (AdamW's defaults, one bucket) and its decaying lr."""
     kw.setdefault("device", "cpu")
-    eng = ZeroOffload(model, torch.optim.AdamW(param_groups(model)), precision="32-true",
+    eng = tiny_engine(model=model, lr=None, bucket_size_mb=None, precision="32-true",
                       max_grad_norm=max_norm, delayed_update=True, delayed_update_warmup=W, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda k: LR_DECAY**k)
     return eng, sched
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -85,14 +84,14 @@ def test_delayed_update_equals_one_step_stale_adamw(max_norm: float | None, devi
             eng.synchronize()
             ref.flush()
             for p, q in zip(eng.module.parameters(), ref.dev.parameters(), strict=True):
-                assert _rel(p.detach(), q.detach()) < 1e-5
+                assert rel_err(p.detach(), q.detach()) < 1e-5
     full = eng.full_state_dict()  # flushes the last pending update
     ref_sd = ref.master.state_dict()
     for name, t in full["model"].items():
-        assert _rel(t, ref_sd[name].cpu()) < 1e-5, name
+        assert rel_err(t, ref_sd[name].cpu()) < 1e-5, name
     ref_opt = ref.opt.state_dict()["state"]
     for i, st in full["optimizer"]["state"].items():
-        assert _rel(st["exp_avg_sq"], ref_opt[i]["exp_avg_sq"].cpu()) < 1e-5
+        assert rel_err(st["exp_avg_sq"], ref_opt[i]["exp_avg_sq"].cpu()) < 1e-5
         assert int(st["step"]) == STEPS
     eng.teardown()
 
@@ -111,7 +110,7 @@ def test_flush_on_state_dict_and_teardown() -> None:
     assert shard["groups"][0]["step"] == W + 3
     eng.teardown(copy_weights_to_module=True)
     for p, m in zip(eng.module.parameters(), ref_master, strict=True):
-        assert p.dtype == torch.float32 and _rel(p.detach(), m) < 1e-5
+        assert p.dtype == torch.float32 and rel_err(p.detach(), m) < 1e-5
 
 
 def test_delayed_off_is_unchanged_and_profile_is_recorded() -> None:
@@ -128,7 +127,7 @@ def test_delayed_off_is_unchanged_and_profile_is_recorded() -> None:
         plain.step()
         plain.zero_grad()
     for p, q in zip(plain.module.parameters(), model.parameters(), strict=True):
-        assert _rel(p.detach(), q.detach()) < 1e-5
+        assert rel_err(p.detach(), q.detach()) < 1e-5
     recs = plain.profile
     assert [r.step for r in recs] == [1, 2, 3] and plain.last_profile is recs[-1]
     assert all(r.cpu_step > 0 and r.fwd_bwd > 0 for r in recs)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import warnings
+from typing import Any
 
 import pytest
 import torch
 from _dist import run_ranks
+from _helpers import rel_err, tiny_engine, train
 from _tiny_gpt import batches as _batches
 from _tiny_gpt import lm_loss, make, param_groups
 
@@ -26,25 +28,14 @@ def batches(n: int) -> list:
     return _batches(n, vocab=VOCAB)
 
 
-def _engine(precision: str, delayed: bool, **kw: object) -> ZeroOffload:
-    model = make(d=36, vocab=VOCAB)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
-    return ZeroOffload(model, opt, precision=precision, max_grad_norm=0.5, bucket_size_mb=0.01,
+def _engine(precision: str, delayed: bool, **kw: Any) -> ZeroOffload:
+    return tiny_engine(model_kw={"d": 36, "vocab": VOCAB}, precision=precision, max_grad_norm=0.5,
                        delayed_update=delayed, delayed_update_warmup=2, **kw)
 
 
 def _train(engine: ZeroOffload, data: list, micro: int = 2, gather: bool = True) -> list[float]:
-    losses = []
-    for x, y in data:
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss = lm_loss(engine.module(xs), ys) / micro
-            losses.append(loss.item())
-            engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-    if gather:
-        engine.gather_weights()
-    return losses
+    """Two micro-batches a step, each synchronizing, and the weights gathered at the end."""
+    return train(engine, data, micro=micro, gather=gather).losses
 
 
 def _run(precision: str, delayed: bool, seed: int | None, data: list) -> dict:
@@ -61,16 +52,12 @@ def _run(precision: str, delayed: bool, seed: int | None, data: list) -> dict:
     return out
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
 def _assert_same(got: dict, want: dict) -> None:
     assert got["losses"] == pytest.approx(want["losses"], rel=1e-6)
     for name, t in want["full"]["model"].items():
-        assert _rel(got["full"]["model"][name], t) < 1e-6, name
+        assert rel_err(got["full"]["model"][name], t) < 1e-6, name
     for i, st in want["full"]["optimizer"]["state"].items():
-        assert _rel(got["full"]["optimizer"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"]) < 1e-6
+        assert rel_err(got["full"]["optimizer"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"]) < 1e-6
 
 
 @pytest.mark.parametrize(("precision", "delayed"), CASES)

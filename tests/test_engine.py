@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from _helpers import rel_err, train
+from _helpers import tiny_engine as engine_for  # the name the tests here always used
 from _tiny_gpt import batches, lm_loss, make, param_groups
 from torch import nn
 
@@ -18,14 +20,6 @@ def _threads():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def rel_err(a: nn.Module | list, b: nn.Module | list) -> float:
-    pa = list(a.parameters()) if isinstance(a, nn.Module) else a
-    pb = list(b.parameters()) if isinstance(b, nn.Module) else b
-    assert len(pa) == len(pb)
-    pairs = zip(pa, pb, strict=True)
-    return max(((x.float() - y.float()).norm() / x.float().norm()).item() for x, y in pairs)
 
 
 def reference(steps: int, clip: float | None = None, optim=torch.optim.AdamW, seed: int = 0,
@@ -45,31 +39,12 @@ def reference(steps: int, clip: float | None = None, optim=torch.optim.AdamW, se
     return model, opt, norms
 
 
-def engine_for(seed: int = 0, optim=torch.optim.AdamW, opt_kw=None, **cfg) -> ZeroOffload:
-    model = make(seed)
-    opt = optim(param_groups(model), lr=1e-2, weight_decay=0.1, **(opt_kw or {}))
-    cfg.setdefault("bucket_size_mb", 0.01)  # several buckets even for the tiny model
-    return ZeroOffload(model, opt, **cfg)
-
-
-def train(engine: ZeroOffload, data, sched=None) -> list:
-    norms = []
-    for x, y in data:
-        engine.backward(lm_loss(engine.module(x), y))
-        norm = engine.step()
-        norms.append(None if norm is None else norm.item())
-        engine.zero_grad()
-        if sched:
-            sched.step()
-    return norms
-
-
 def test_fp32_matches_torch_adamw_with_clipping():
     ref, _, ref_norms = reference(20, clip=0.5)
     engine = engine_for(precision="32-true", max_grad_norm=0.5)
     assert len(engine.layout.buckets) > 3
-    norms = train(engine, batches(20))
-    assert rel_err(ref, engine.module) < 1e-5
+    norms = train(engine, batches(20)).norms
+    assert rel_err(engine.module, ref) < 1e-5
     assert norms == pytest.approx(ref_norms, rel=1e-5)
     assert engine.last_grad_norm == pytest.approx(ref_norms[-1], rel=1e-5)
 
@@ -83,15 +58,15 @@ def test_clip_grad_norm_method_matches_torch():
         norms.append(engine.clip_grad_norm_(0.3).item())
         engine.step()
         engine.zero_grad()
-    assert rel_err(ref, engine.module) < 1e-5
+    assert rel_err(engine.module, ref) < 1e-5
     assert norms == pytest.approx(ref_norms, rel=1e-5)
 
 
 def test_no_clipping_and_adam_l2_decay():
     ref, _, _ = reference(10, optim=torch.optim.Adam)
     engine = engine_for(precision="32-true", optim=torch.optim.Adam)
-    assert train(engine, batches(10)) == [None] * 10
-    assert rel_err(ref, engine.module) < 1e-5
+    assert train(engine, batches(10)).norms == [None] * 10
+    assert rel_err(engine.module, ref) < 1e-5
 
 
 @pytest.mark.parametrize("sched", [
@@ -103,7 +78,7 @@ def test_lr_schedulers_on_facade(sched):
     engine = engine_for(precision="32-true", max_grad_norm=1.0)
     assert isinstance(engine.optimizer, torch.optim.Optimizer)
     train(engine, batches(8), sched=sched(engine.optimizer))
-    assert rel_err(ref, engine.module) < 1e-5
+    assert rel_err(engine.module, ref) < 1e-5
     assert [g["lr"] for g in engine.optimizer.param_groups] == pytest.approx(
         [g["lr"] for g in ref_opt.param_groups])
 
@@ -120,7 +95,7 @@ def test_bf16_mixed_weights_are_views_and_track_fp32():
     full = engine.full_state_dict()["model"]
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, full[name].to(torch.bfloat16))  # device copy = rounded master
-    assert rel_err(ref, engine.module) < 3e-2
+    assert rel_err(engine.module, ref) < 3e-2
     assert engine.module.blocks[0].ln1.weight.dtype == torch.bfloat16
     out = engine.module(batches(1)[0][0])  # inputs are cast by the pre-hook; ints untouched
     assert out.dtype == torch.bfloat16
@@ -141,11 +116,11 @@ def test_full_state_dict_is_torch_format_and_round_trips():
         opt.step()
         opt.zero_grad()
     train(engine, data)
-    assert rel_err(plain, engine.module) < 1e-5
+    assert rel_err(engine.module, plain) < 1e-5
     # and a plain pair loads into a fresh engine, which then continues like the plain run
     fresh = engine_for(seed=3, precision="32-true", max_grad_norm=1.0)
     fresh.load_full_state_dict({"model": plain.state_dict(), "optimizer": opt.state_dict()})
-    assert rel_err(plain, fresh.module) == 0
+    assert rel_err(fresh.module, plain) == 0
     data = batches(3, seed=2)
     train(fresh, data)
     for x, y in data:
@@ -153,7 +128,7 @@ def test_full_state_dict_is_torch_format_and_round_trips():
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    assert rel_err(plain, fresh.module) < 1e-5
+    assert rel_err(fresh.module, plain) < 1e-5
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
@@ -186,7 +161,7 @@ def test_accumulation_equals_big_batch():
             four.backward(lm_loss(four.module(x), y) / 4)
         four.step()
         four.zero_grad()
-    assert rel_err(one.module, four.module) < 1e-5
+    assert rel_err(four.module, one.module) < 1e-5
     # no_sync (local accumulation on the device) gives the same result at one rank
     ns = engine_for(precision="32-true", max_grad_norm=0.5)
     for s in range(3):
@@ -197,7 +172,7 @@ def test_accumulation_equals_big_batch():
         ns.backward(lm_loss(ns.module(mb[3][0]), mb[3][1]) / 4)
         ns.step()
         ns.zero_grad()
-    assert rel_err(one.module, ns.module) < 1e-5
+    assert rel_err(ns.module, one.module) < 1e-5
 
 
 def test_fp16_overflow_skips_exactly_that_step():
@@ -266,7 +241,7 @@ def test_tied_frozen_and_unused_parameters():
         engine.step()
         engine.zero_grad()
     assert engine.module.head.weight is engine.module.emb.weight
-    assert rel_err(ref, engine.module) < 1e-5
+    assert rel_err(engine.module, ref) < 1e-5
     assert all(torch.equal(a, b) for a, b in zip(frozen, model.frozen.parameters(), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(unused, model.unused.parameters(), strict=True))
     full = engine.full_state_dict()
@@ -315,7 +290,7 @@ def test_module_zero_grad_clears_the_engines_gradients():
     engine.step()
     ref.backward(lm_loss(ref.module(x2), y2))
     ref.step()
-    assert rel_err(ref.module, engine.module) == 0.0
+    assert rel_err(engine.module, ref.module) == 0.0
     engine.teardown()
     assert "zero_grad" not in model.__dict__
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
-from _tiny_gpt import batches, lm_loss, make, param_groups
+from _helpers import rel_err, tiny_engine, train
+from _tiny_gpt import batches
 from torch import nn
 
 from lightning_zero_offload import ZeroOffload
@@ -14,10 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def _engine(precision: str = "32-true", seed: int = 0, **cfg) -> ZeroOffload:
-    model = make(seed)
-    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
-    cfg.setdefault("bucket_size_mb", 0.01)
-    return ZeroOffload(model, opt, precision=precision, max_grad_norm=0.5, **cfg)
+    return tiny_engine(seed, precision=precision, max_grad_norm=0.5, **cfg)
 
 
 def _split(data, rank: int, world: int):
@@ -25,36 +23,25 @@ def _split(data, rank: int, world: int):
     return [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in data]
 
 
-def _train(engine: ZeroOffload, data, micro: int = 1) -> None:
-    for x, y in data:
-        xs, ys = x.chunk(micro), y.chunk(micro)
-        for i in range(micro):
-            sync = i == micro - 1
-            engine.backward(lm_loss(engine.module(xs[i]), ys[i]) / micro, sync_gradients=sync)
-        engine.step()
-        engine.zero_grad()
-
-
 def _params(engine: ZeroOffload) -> list[torch.Tensor]:
     return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert ((x - y).norm() / x.norm()).item() <= tol
+    assert rel_err(b, a) <= tol  # relative to ``a``, tensor by tensor
 
 
 def _ranks_train(rank: int, world: int) -> dict:
     out = {}
     for micro in (1, 2):
         engine = _engine()
-        _train(engine, _split(batches(6), rank, world), micro)
+        train(engine, _split(batches(6), rank, world), micro=micro, accumulate=True)
         out[micro] = {"params": _params(engine), "shard": engine.layout.shard_numel,
                       "norm": engine.last_grad_norm, "full": engine.full_state_dict(),
                       "weights": engine.full_state_dict(optimizer=False),
                       "moments": engine.full_state_dict(model=False)}
     engine = _engine("bf16-mixed")
-    _train(engine, _split(batches(4), rank, world))
+    train(engine, _split(batches(4), rank, world))
     out["bf16"] = _params(engine)
     return out
 
@@ -64,7 +51,7 @@ def test_two_ranks_equal_one_rank():
     two = run_ranks(_ranks_train, 2)
     for micro in (1, 2):
         one = _engine()
-        _train(one, batches(6), micro)
+        train(one, batches(6), micro=micro, accumulate=True)
         for r in range(2):
             got = two[r][micro]
             _close(_params(one), got["params"])
@@ -93,16 +80,16 @@ def test_two_ranks_equal_one_rank():
 
 def _save_then_continue(rank: int, world: int, path: str) -> list:
     engine = _engine()
-    _train(engine, _split(batches(3), rank, world))
+    train(engine, _split(batches(3), rank, world))
     engine.save_checkpoint(path)
-    _train(engine, _split(batches(3, seed=1), rank, world))
+    train(engine, _split(batches(3, seed=1), rank, world))
     return _params(engine)
 
 
 def _load_then_continue(rank: int, world: int, path: str) -> list:
     engine = _engine(seed=7)
     engine.load_checkpoint(path)
-    _train(engine, _split(batches(3, seed=1), rank, world))
+    train(engine, _split(batches(3, seed=1), rank, world))
     return _params(engine)
 
 
@@ -113,14 +100,14 @@ def test_sharded_checkpoint_two_ranks_to_one_and_back(tmp_path):
         "shard-00000-of-00002.pt", "shard-00001-of-00002.pt", "zero_offload.json"]
     one = _engine(seed=7)
     one.load_checkpoint(path)
-    _train(one, batches(3, seed=1))
+    train(one, batches(3, seed=1))
     _close(two[0], _params(one))
     # the reverse: one rank writes, two ranks resume
     path1 = str(tmp_path / "ckpt1")
     single = _engine()
-    _train(single, batches(3))
+    train(single, batches(3))
     single.save_checkpoint(path1)
-    _train(single, batches(3, seed=1))
+    train(single, batches(3, seed=1))
     resumed = run_ranks(_load_then_continue, 2, path1)
     _close(_params(single), resumed[1])
 
@@ -201,7 +188,7 @@ def test_a_parameter_without_gradient_on_every_rank_is_left_untouched():
 
 def _ranks_delayed(rank: int, world: int) -> list:
     engine = _engine(delayed_update=True, delayed_update_warmup=2)
-    _train(engine, _split(batches(6), rank, world))
+    train(engine, _split(batches(6), rank, world))
     engine.gather_weights()  # collective: the last step's update, gathered from both ranks
     return _params(engine)
 
@@ -210,7 +197,7 @@ def test_two_ranks_delayed_update_equal_one_rank():
     """The worker writes this rank's shard of the spare weights; the gather runs at the swap."""
     two = run_ranks(_ranks_delayed, 2)
     one = _engine(delayed_update=True, delayed_update_warmup=2)
-    _train(one, batches(6))
+    train(one, batches(6))
     one.synchronize()
     for r in range(2):
         _close(_params(one), two[r])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import SubAdamW
 from lightning.fabric import Fabric, seed_everything
 from torch import nn
 from torch.multiprocessing import ProcessExitedException
@@ -90,10 +91,6 @@ def test_save_load_resumes_exactly(tmp_path, sharded):
         plain = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
         plain.load_state_dict(saved["model"])
         torch.optim.AdamW(plain.parameters()).load_state_dict(saved["optimizer"])
-
-
-class SubAdamW(torch.optim.AdamW):
-    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
 
 
 class OwnStepAdamW(torch.optim.AdamW):

@@ -6,9 +6,20 @@ import csv
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from _helpers import (
+    Payload,
+    SubAdamW,
+    buffer_engine,
+    dead_pid,
+    rel_err,
+    same_state,
+    snapshot,
+    train_buffer_net,
+)
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -17,8 +28,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_zero_offload
 from lightning_zero_offload import ZeroOffloadConfig, ZeroOffloadStrategy
+from lightning_zero_offload.core import CheckpointError
 from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import ZeroOffloadPrecision
+from lightning_zero_offload.lightning import checkpoint as lckpt
 from lightning_zero_offload.lightning.checkpoint import consolidate_checkpoint
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -33,10 +46,6 @@ def data(n: int = 32, seed: int = 1) -> TensorDataset:
     x = torch.randn(n, 8, generator=g)
     y = torch.randn(n, 4, generator=g)
     return TensorDataset(x, y)
-
-
-class SubAdamW(torch.optim.AdamW):
-    """A user's AdamW subclass: the engine runs it as the AdamW it is."""
 
 
 class Net(LightningModule):
@@ -145,7 +154,7 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        err = (a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)
+        err = rel_err(a[k], b[k])
         assert err <= rel, f"{k}: relative error {err:.2e}"
 
 
@@ -667,3 +676,52 @@ def test_the_process_group_timeout_defaults_to_the_collective_timeout():
     assert ZeroOffloadStrategy(collective_timeout_s=7.0)._timeout == timedelta(seconds=7)
     given = timedelta(minutes=3)
     assert ZeroOffloadStrategy(collective_timeout_s=7.0, timeout=given)._timeout == given
+
+
+# -- sharded checkpoints: crafted meta, a killed publish, the wrong loader ---------------------
+
+
+def _sharded_lightning_folder(tmp: Path, meta: dict) -> Path:
+    """A sharded Lightning checkpoint (shards of the engine plus ``meta.pt``) via the adapter."""
+    engine = buffer_engine()
+    train_buffer_net(engine)
+    folder = tmp / "lightning.ckpt"
+    lckpt.save_sharded(engine, meta, folder, True)
+    return folder
+
+
+@pytest.mark.parametrize("weights_only", [None, False])
+def test_lightning_meta_never_unpickles_code(tmp_path, weights_only):
+    folder = _sharded_lightning_folder(tmp_path, {"epoch": 3})
+    assert lckpt.load_sharded_meta(folder, weights_only)["epoch"] == 3
+    marker = tmp_path / "ran"
+    meta = torch.load(folder / lckpt.META, weights_only=True)
+    torch.save({**meta, "hyper_parameters": Payload(marker)}, folder / lckpt.META)
+    with pytest.raises(CheckpointError, match="meta.pt.*could run code"):
+        lckpt.load_sharded_meta(folder, weights_only)
+    with pytest.raises(CheckpointError, match="meta.pt.*could run code"):
+        lckpt.consolidate_checkpoint(folder, tmp_path / "one.ckpt")
+    assert not marker.exists() and not (tmp_path / "one.ckpt").exists()
+
+
+def test_lightning_resume_falls_back_to_the_folder_a_killed_publish_left(tmp_path):
+    folder = _sharded_lightning_folder(tmp_path, {"epoch": 2})
+    old = folder.with_name(f".{folder.name}.old-{dead_pid()}-0badcafe-{os.uname().nodename}")
+    folder.rename(old)  # where a kill between the two renames of the publish leaves it
+    with pytest.warns(UserWarning, match="is missing: a save was killed"):
+        meta = lckpt.load_sharded_meta(folder)
+    assert meta["epoch"] == 2 and meta[lckpt.SHARDED_KEY] == str(old)
+    engine = buffer_engine(seed=4)
+    engine.load_checkpoint(meta[lckpt.SHARDED_KEY])
+    reference = buffer_engine()
+    train_buffer_net(reference)
+    assert same_state(snapshot(reference), snapshot(engine))
+
+
+def test_lightning_load_from_checkpoint_of_a_sharded_folder_says_what_to_do(tmp_path):
+    folder = _sharded_lightning_folder(tmp_path, {"epoch": 0})
+    with pytest.raises(CheckpointError, match=r"sharded zero_offload checkpoint.*consolidate_"
+                                              r"checkpoint\(folder, 'model.ckpt'\)"):
+        LightningModule.load_from_checkpoint(folder)
+    with pytest.raises(FileNotFoundError):  # other paths reach Lightning's loader unchanged
+        LightningModule.load_from_checkpoint(tmp_path / "absent.ckpt")

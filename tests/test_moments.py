@@ -10,34 +10,14 @@ import threading
 
 import pytest
 import torch
+from _helpers import assert_same, bits, force_isa
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.ops import _build
 from lightning_zero_offload.ops import moments as M
 from lightning_zero_offload.ops._reference import fused_adamw_reference_
 
 COMPACT = ["bf16", "int8"]
 SIZES = [0, 1, 15, 255, 256, 257, 70_001]
-
-
-@pytest.fixture(scope="module")
-def ext():
-    module = _build.load()
-    if module is None:
-        pytest.skip("the C++ kernel is not in use (no compiler, or LZO_KERNEL=reference)")
-    return module
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
-
-
-def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for k, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        diff = (_bits(x) != _bits(y)).nonzero()
-        assert diff.numel() == 0, f"tensor {k}: {diff.numel()} elements differ, first {diff[:5]}"
 
 
 def _reference(p, g, *, step, seed=0, exp_avg, exp_avg_sq, exp_avg_scales, exp_avg_sq_scales,
@@ -78,12 +58,6 @@ def run(fn, n: int, md: str, *, steps: int = 3, grad_dtype=torch.bfloat16,
     return ts + ([out] if out is not None else [])
 
 
-def _force(ext, name: str):
-    if name not in ext.available_isas():
-        pytest.skip(f"this CPU has no {name} (available: {ext.available_isas()})")
-    return ops.force_isa(name)
-
-
 # --- the kernel against the reference, SIMD paths, threads, chunks ------------------------------
 
 
@@ -110,9 +84,9 @@ def test_kernel_equals_reference_without_weight_decay_and_large_lerp(ext, md: st
 @pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512bf16"])
 def test_every_simd_path_bit_identical(ext, md: str, isa: str) -> None:
     for n in (17, 256, 70_001):
-        with _force(ext, "scalar"):
+        with force_isa("scalar"):
             expected = run(ops.fused_adamw_, n, md)
-        with _force(ext, isa):
+        with force_isa(isa):
             got = run(ops.fused_adamw_, n, md)
         assert_same(got, expected)
 
@@ -145,7 +119,7 @@ def test_seed_changes_only_the_rounding(ext, md: str) -> None:
     b = run(ops.fused_adamw_, 4096, md, steps=1, seed=12)
     assert_same([b[0], b[-1]], [a[0], a[-1]])  # this step's update uses the unrounded moments
     for x, y in zip(a[1:3], b[1:3], strict=True):  # the stored moments: one grid step apart
-        d = (_bits(x).int() - _bits(y).int()).abs()
+        d = (bits(x).int() - bits(y).int()).abs()
         assert 0 < (d != 0).sum() and d.max() <= 1
 
 
@@ -248,7 +222,7 @@ def test_nan_and_denormal_weights_with_out_bitwise_as_reference(ext, md: str, is
         mom = M.Moments.from_fp32(torch.randn(n, generator=gen) * 1e-3,
                                   torch.rand(n, generator=gen) * 1e-6, md)
         out = torch.empty(n, dtype=torch.bfloat16)
-        with _force(ext, isa) if fn is ops.fused_adamw_ else contextlib.nullcontext():
+        with force_isa(isa) if fn is ops.fused_adamw_ else contextlib.nullcontext():
             for step in (1, 2):
                 fn(p, g, step=step, lr=0.0, out=out, **mom.kernel_args())
         results.append([p, out, *[t for t in mom.kernel_args().values()

@@ -4,9 +4,12 @@ asynchronous device."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from _dist import run_ranks
+from _helpers import bits, rel_err, tiny_engine, train
 from _tiny_gpt import batches, lm_loss, make, param_groups
 from torch import nn
 
@@ -20,31 +23,13 @@ PAIRS = [(a, b) for a in DTYPES for b in DTYPES if a != b]
 
 
 def _engine(md: str, seed: int = 0, precision: str = "32-true", lr: float = 3e-3,
-            **cfg: object) -> ZeroOffload:
-    model = make(seed, **cfg.pop("model_kw", {}))  # type: ignore[arg-type]
-    opt = torch.optim.AdamW(param_groups(model, lr=lr), lr=lr, weight_decay=0.1)
-    cfg.setdefault("bucket_size_mb", 0.01)
-    return ZeroOffload(model, opt, precision=precision, max_grad_norm=1.0, moment_dtype=md, **cfg)
-
-
-def _train(engine: ZeroOffload, data: list) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = lm_loss(engine.module(x), y)
-        losses.append(loss.item())
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-    engine.gather_weights()
-    return losses
+            **cfg: Any) -> ZeroOffload:
+    """The tiny GPT engine with ``md`` moments, clipping at 1."""
+    return tiny_engine(seed, lr=lr, precision=precision, max_grad_norm=1.0, moment_dtype=md, **cfg)
 
 
 def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
 def _same_shard(a: dict, b: dict) -> None:
@@ -54,7 +39,7 @@ def _same_shard(a: dict, b: dict) -> None:
         assert ga.keys() == gb.keys() and ga["step"] == gb["step"]
         for k, t in ga.items():
             if isinstance(t, torch.Tensor):
-                assert t.dtype == gb[k].dtype and torch.equal(_bits(t), _bits(gb[k])), k
+                assert t.dtype == gb[k].dtype and torch.equal(bits(t), bits(gb[k])), k
 
 
 # --- tracking torch.optim.AdamW --------------------------------------------------------------
@@ -79,7 +64,7 @@ def test_engine_tracks_torch_adamw(md: str) -> None:
         opt.step()
         opt.zero_grad()
     engine = _engine(md)
-    _train(engine, data)
+    train(engine, data, gather=True)
     err_p = ((_flat(engine.module) - _flat(ref)).norm() / (_flat(ref) - p0).norm()).item()
     state = engine.full_state_dict()["optimizer"]["state"]
     v_ref = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1)
@@ -102,7 +87,7 @@ def test_checkpoint_round_trip_is_exact(md: str, how: str, tmp_path) -> None:
     consolidated form dequantizes; re-quantizing a dequantized int8 block gives its codes)."""
     data, more = batches(3, batch=8), batches(3, batch=8, seed=1)
     a = _engine(md)
-    _train(a, data)
+    train(a, data, gather=True)
     b = _engine(md, seed=7)
     if how == "memory":
         b.load_state_dict(a.state_dict())
@@ -112,8 +97,8 @@ def test_checkpoint_round_trip_is_exact(md: str, how: str, tmp_path) -> None:
     shard = a.state_dict()
     assert shard["format"] == formats.SHARD_FORMAT and shard["moment_dtype"] == md
     _same_shard(b.state_dict(), shard)
-    _train(a, more)
-    _train(b, more)
+    train(a, more, gather=True)
+    train(b, more, gather=True)
     assert torch.equal(_flat(a.module), _flat(b.module))
     _same_shard(b.state_dict(), a.state_dict())
 
@@ -126,16 +111,12 @@ def _expected(m: torch.Tensor, v: torch.Tensor, md: str) -> tuple[torch.Tensor, 
     return m.bfloat16().float(), v.bfloat16().float()
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize(("src", "dst"), PAIRS)
 @pytest.mark.parametrize("how", ["memory", "sharded", "consolidated"])
 def test_switching_moment_dtype_between_save_and_resume(src: str, dst: str, how: str,
                                                         tmp_path) -> None:
     a = _engine(src)
-    _train(a, batches(4, batch=8))
+    train(a, batches(4, batch=8), gather=True)
     b = _engine(dst, seed=7)
     if how == "memory":
         b.load_state_dict(a.state_dict())
@@ -154,16 +135,16 @@ def test_switching_moment_dtype_between_save_and_resume(src: str, dst: str, how:
             m, v = _expected(st["exp_avg"], st["exp_avg_sq"], dst)
             assert torch.equal(gs["exp_avg"], m) and torch.equal(gs["exp_avg_sq"], v), i
         else:  # block-wise codes: E4M3 m (<= 1/16 relative), E4M4 sqrt(v) (<= 1/32 relative)
-            assert _rel(gs["exp_avg"], st["exp_avg"]) < 0.07, i
-            assert _rel(gs["exp_avg_sq"], st["exp_avg_sq"]) < 0.07, i
-    losses = _train(b, batches(2, batch=8, seed=1))  # and it trains on from there
+            assert rel_err(gs["exp_avg"], st["exp_avg"]) < 0.07, i
+            assert rel_err(gs["exp_avg_sq"], st["exp_avg_sq"]) < 0.07, i
+    losses = train(b, batches(2, batch=8, seed=1), gather=True).losses  # and it trains on
     assert all(x == x and x < 10 for x in losses)
 
 
 def test_format_1_shards_still_load() -> None:
     """Shards written before compact moments (format /1, no "moment_dtype": fp32 moments)."""
     a = _engine("fp32")
-    _train(a, batches(3, batch=8))
+    train(a, batches(3, batch=8), gather=True)
     old = {k: v for k, v in a.state_dict().items() if k != "moment_dtype"}
     old["format"] = "lightning_zero_offload.shard/1"
     b = _engine("fp32", seed=7)
@@ -178,7 +159,7 @@ def test_format_1_shards_still_load() -> None:
 
 def test_corrupt_compact_shard_raises_naming_the_tensor() -> None:
     a = _engine("int8")
-    _train(a, batches(2, batch=8))
+    train(a, batches(2, batch=8), gather=True)
     bad = a.state_dict()
     group = bad["groups"][0]
     bad["groups"][0] = {**group, "exp_avg_scales": group["exp_avg_scales"][1:]}
@@ -203,8 +184,8 @@ def test_torch_adamw_state_loads_into_an_int8_engine_quantized() -> None:
     for slot in layout.slots:
         want = sd[slot.index]
         have = got["optimizer"]["state"][slot.index]
-        assert _rel(have["exp_avg"], want["exp_avg"]) < 0.07, slot.name
-        assert _rel(have["exp_avg_sq"], want["exp_avg_sq"]) < 0.07, slot.name
+        assert rel_err(have["exp_avg"], want["exp_avg"]) < 0.07, slot.name
+        assert rel_err(have["exp_avg_sq"], want["exp_avg_sq"]) < 0.07, slot.name
     # bit-exact against the conversion over the same blocks: the group's flat buffer
     full = engine.state_dict()["groups"][0]
     m32 = torch.zeros(layout.group_shard_numel[0])
@@ -246,8 +227,8 @@ BIG_BUCKETS = {"bucket_size_mb": 1.0}  # one bucket per group: the same layout a
 def _ranks_int8(rank: int, world: int) -> list[torch.Tensor]:
     engine = _engine("int8", **BIG_BUCKETS)
     per = 8 // world
-    _train(engine, [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
-                    for x, y in batches(8, batch=8)])
+    train(engine, [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+                   for x, y in batches(8, batch=8)], gather=True)
     return [_flat(engine.module), engine.full_state_dict()["optimizer"]["state"][0]["exp_avg"]]
 
 
@@ -257,20 +238,20 @@ def test_two_ranks_equal_one_rank_int8() -> None:
     differ only where the gradient's reduction order flips a rounding."""
     two = run_ranks(_ranks_int8, 2)
     one = _engine("int8", **BIG_BUCKETS)
-    _train(one, batches(8, batch=8))
+    train(one, batches(8, batch=8), gather=True)
     p1 = _flat(one.module)
     m1 = one.full_state_dict()["optimizer"]["state"][0]["exp_avg"]
     assert torch.equal(two[0][0], two[1][0])  # the ranks agree exactly
     # A flipped rounding moves one 8-bit code by a step (1/8 to 1/16 of its value): 1e-5 was
     # met or missed by the draw of the random stream (1.5e-5 seen); rounding per rank instead
     # of per place in the model gives 1.1e-3.
-    assert _rel(two[0][0], p1) < 5e-5
-    assert _rel(two[0][1], m1) < 1e-3
+    assert rel_err(two[0][0], p1) < 5e-5
+    assert rel_err(two[0][1], m1) < 1e-3
 
 
 def _ranks_switch(rank: int, world: int, path: str) -> list[dict]:
     a = _engine("int8")
-    _train(a, batches(3, batch=8))
+    train(a, batches(3, batch=8), gather=True)
     a.save_checkpoint(path)
     out = []
     for md in ("fp32", "int8"):  # a layout of another moment_dtype at the same world size
@@ -305,7 +286,7 @@ def _emu_run(precision: str, delayed: bool, seed: int | None, data: list) -> dic
         with emulated_async_device(seed=seed, max_delay_ms=3.0) as made:
             engine = build()
         assert len(made) == 1
-    losses = _train(engine, data)
+    losses = train(engine, data, gather=True).losses
     out = {"losses": losses, "shard": engine.state_dict()}
     engine.teardown()
     return out
@@ -335,7 +316,7 @@ def test_moment_seed_changes_only_the_rounding() -> None:
     data = batches(5, batch=8)
     a, b, c = _engine("int8"), _engine("int8"), _engine("int8", moment_seed=1)
     for e in (a, b, c):
-        _train(e, data)
+        train(e, data, gather=True)
     assert torch.equal(_flat(a.module), _flat(b.module))  # repeatable
     pa, pc = _flat(a.module), _flat(c.module)
-    assert not torch.equal(pa, pc) and _rel(pc, pa) < 1e-2
+    assert not torch.equal(pa, pc) and rel_err(pc, pa) < 1e-2

@@ -8,6 +8,7 @@ import platform
 
 import pytest
 import torch
+from _helpers import assert_bits_equal, force_isa
 
 from lightning_zero_offload import ops
 from lightning_zero_offload.ops import fused_adamw_reference_
@@ -15,23 +16,6 @@ from lightning_zero_offload.ops import fused_adamw_reference_
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 SIZES = [0, 1, 15, 17, 1_000_003]
 HALF = (torch.bfloat16, torch.float16)
-
-
-@pytest.fixture(scope="module")
-def ext():
-    if ops.backend() != "cpp":
-        pytest.skip("the C++ kernel is not in use (no compiler, or LZO_KERNEL=reference)")
-    return ops
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    diff = (_bits(a) != _bits(b)).nonzero()
-    assert diff.numel() == 0, f"{diff.numel()} elements differ, first at {diff[:5].flatten()}"
 
 
 def make_state(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -66,12 +50,6 @@ def isa_param(name: str):
 
 
 ISAS = [isa_param(n) for n in ("scalar", "avx2", "avx512")]
-
-
-def _force(ext, name: str):
-    if name not in ext.available_isas():
-        pytest.skip(f"this CPU has no {name} (available: {ext.available_isas()})")
-    return ops.force_isa(name)
 
 
 # --- semantics against torch -------------------------------------------------------------------
@@ -154,9 +132,9 @@ def test_every_simd_path_bit_identical(ext, isa: str, n: int) -> None:
                                              (torch.bfloat16, torch.float16, False),
                                              (torch.float16, torch.bfloat16, True)):
         kw = dict(grad_dtype=grad_dtype, out_dtype=out_dtype, decoupled=decoupled)
-        with _force(ext, "scalar"):
+        with force_isa("scalar"):
             expected = run_steps(ops.fused_adamw_, n, **kw)
-        with _force(ext, isa):
+        with force_isa(isa):
             got = run_steps(ops.fused_adamw_, n, **kw)
         for a, b in zip(got, expected, strict=True):
             assert_bits_equal(a, b)
@@ -172,7 +150,7 @@ def test_simd_paths_on_every_fp16_and_bf16_pattern(ext, isa: str) -> None:
         for name in ("scalar", isa):
             p, m, v = make_state(grad.numel())
             out = torch.empty(grad.numel(), dtype=dtype)
-            with _force(ext, name):
+            with force_isa(name):
                 ops.fused_adamw_(p, grad, m, v, step=2, lr=1e-3, weight_decay=0.01, out=out,
                                  grad_scale=0.5)
             results[name] = (p, m, v, out)
@@ -276,7 +254,7 @@ def test_out_is_bitwise_cast(ext, isa: str, out_dtype: torch.dtype) -> None:
     p = values.clone()
     m, v = torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=out_dtype)
-    with _force(ext, isa):  # lr=0 and zero gradients leave every value (and its sign) as is
+    with force_isa(isa):  # lr=0 and zero gradients leave every value (and its sign) as is
         ops.fused_adamw_(p, torch.zeros(n), m, v, step=1, lr=0.0, out=out)
     keep = ~values.isnan()
     assert_bits_equal(p[keep], values[keep])  # NaNs stay NaN (signalling ones become quiet)
