@@ -44,8 +44,8 @@ def torch_args() -> list[str]:
 
 def ensure_venv() -> Path:
     """Create the venv and install torch plus this package with every extra (``all``: the
-    Lightning, Accelerate, transformers, TRL/PEFT and plot extras) and the dev tools, once per
-    pyproject and torch pin."""
+    Lightning, Accelerate, transformers, TRL/PEFT, plot and torchao extras) and the dev tools,
+    once per pyproject and torch pin."""
     py = _python()
     if not py.exists():
         venv.EnvBuilder(with_pip=True).create(VENV)

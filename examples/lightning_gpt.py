@@ -84,7 +84,7 @@ def torchao_adamw8bit() -> type:
         from torchao.optim import AdamW8bit
     except ImportError as e:
         raise SystemExit(f"--optimizer torchao-adamw8bit needs torchao ({e}): pip install "
-                         "torchao") from None
+                         "'lightning-zero-offload[torchao]' (or torchao>=0.11)") from None
     return AdamW8bit
 
 
@@ -232,7 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-zero-offload", action="store_true",
                         help="plain Lightning without the engine (a peer for the benchmarks)")
     parser.add_argument("--optimizer", choices=["adamw", "torchao-adamw8bit"], default="adamw",
-                        help="torch.optim.AdamW, or torchao's AdamW8bit (needs --no-zero-offload)")
+                        help="torch.optim.AdamW, or torchao's AdamW8bit (needs --no-zero-offload "
+                             "and torchao: pip install 'lightning-zero-offload[torchao]')")
     parser.add_argument("--loss-csv", help="write each step's training loss and wall time "
                                            "(seconds, end of the previous step to end of this) "
                                            "to this CSV file")

@@ -1,5 +1,7 @@
 """The planner (``lzo-plan``): its host bytes against the engine's own count and against the RSS
-growth of building an engine on the CPU; the fit search, the CLI's JSON, model folders, errors."""
+growth of building an engine on the CPU; the fit search, the CLI's JSON, model folders, errors;
+what it says is short and the changes that fit (each re-planned), activation checkpointing,
+gradient accumulation, and a Llama-7B config whose activations alone overflow the device."""
 
 from __future__ import annotations
 
@@ -102,8 +104,11 @@ def test_cli_json(capsys):
     assert main(["--params", "7e9", "--precision", "bf16-mixed", "--world-size", "1",
                  "--device-memory", "24GiB", "--host-memory", "128GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("device_bytes", "host_bytes_per_rank", "fits", "max_params_that_fit"):
+    for key in ("device_bytes", "host_bytes_per_rank", "fits", "max_params_that_fit",
+                "host_bytes_accumulating", "short", "suggestions", "max_params_blocked_by"):
         assert key in out
+    assert {tuple(s) for s in out["suggestions"]} == {("change", "fits", "device_bytes",
+                                                       "host_bytes")}
     ref = plan(7e9, device_memory="24GiB", host_memory="128GiB", measure=False)
     # 20 bytes per parameter on the host (with the fp32 gradient of accumulation): 130 GiB
     assert out["host_bytes_per_rank"] == ref.host_bytes_per_rank and out["fits"] is False
@@ -188,3 +193,183 @@ def test_cli_moment_dtype(capsys):
         main(["--params", "7e9", "--moment-dtype", "fp8"])
     with pytest.raises(ValueError, match="moment_dtype='fp8' is not supported"):
         plan(7e9, moment_dtype="fp8")
+
+
+KW = dict(precision="bf16-mixed", device_memory="24GiB", host_memory="128GiB", measure=False)
+CLI = ["--precision", "bf16-mixed", "--device-memory", "24GiB", "--host-memory", "128GiB",
+       "--no-measure"]
+# plan() keywords of each change the planner lists, from its flags
+FLAG_KW = {"--moment-dtype": ("moment_dtype", str), "--world-size": ("world_size", int),
+           "--ranks-per-node": ("ranks_per_node", int), "--batch-size": ("batch_size", int)}
+
+
+def _replan_kwargs(change: str) -> dict:
+    """The plan() keywords a listed change stands for ("--moment-dtype int8 + ...")."""
+    out: dict = {}
+    for part in change.split(" + "):
+        words = part.split()
+        if words[0] == "--activation-checkpointing":
+            out["activation_checkpointing"] = True
+        elif words[:2] == ["without", "--delayed-update"]:
+            out["delayed_update"] = False
+        elif words[0] == "--device-memory":
+            out["device_memory"] = words[1]
+        else:
+            for flag, value in zip(words[::2], words[1::2], strict=True):
+                key, cast = FLAG_KW[flag]
+                out[key] = cast(value)
+    return out
+
+
+def _llama7b(folder: Path) -> Path:
+    """Llama-7B's config.json and a weightless safetensors header with its tensor shapes (the
+    planner reads only the header): 6,738,415,616 parameters."""
+    h, f, layers, v = 4096, 11008, 32, 32000
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h],
+              "lm_head.weight": [v, h]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + f"self_attn.{n}_proj.weight": [h, h] for n in "qkvo"})
+        shapes.update({p + "mlp.gate_proj.weight": [f, h], p + "mlp.up_proj.weight": [f, h],
+                       p + "mlp.down_proj.weight": [h, f], p + "input_layernorm.weight": [h],
+                       p + "post_attention_layernorm.weight": [h]})
+    header = json.dumps({k: {"dtype": "F16", "shape": s, "data_offsets": [0, 0]}
+                         for k, s in shapes.items()}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": f, "num_hidden_layers": layers, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "vocab_size": v, "max_position_embeddings": 2048}))
+    return folder
+
+
+@pytest.mark.parametrize("params,delayed,host,expected", [
+    ("7e9", False, "128GiB", {"--moment-dtype bf16", "--moment-dtype int8",
+                              "--world-size 2 --ranks-per-node 1"}),
+    # bf16 moments would need 105 GiB: only int8 and more ranks fit
+    ("7e9", False, "100GiB", {"--moment-dtype int8", "--world-size 2 --ranks-per-node 1"}),
+    ("6e9", True, "128GiB", {"--moment-dtype bf16", "--moment-dtype int8",
+                             "--world-size 2 --ranks-per-node 1", "without --delayed-update"}),
+])
+def test_host_short_names_it_and_the_changes_that_fit(capsys, params, delayed, host, expected):
+    flags = ["--params", params, "--precision", "bf16-mixed", "--device-memory", "24GiB",
+             "--host-memory", host, "--no-measure"] + (["--delayed-update"] if delayed else [])
+    assert main([*flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    base = dict(precision="bf16-mixed", device_memory="24GiB", host_memory=host,
+                measure=False, delayed_update=delayed)
+    ref = plan(params, **base)
+    assert out["fits"] is False and out["device_fits"] is True
+    assert out["short"] == [{"resource": "host", "needed": ref.host_bytes_per_node,
+                             "available": parse_bytes(host)}]
+    assert {s["change"] for s in out["suggestions"]} == expected
+    for s in out["suggestions"]:  # each one, re-planned, fits with the bytes it says
+        again = plan(params, **{**base, **_replan_kwargs(s["change"])})
+        assert s["fits"] is True and again.fits
+        assert (s["device_bytes"], s["host_bytes"]) == (again.device_bytes,
+                                                       again.host_bytes_per_node)
+        if "--world-size" in s["change"]:  # the fewest ranks that fit
+            fewer = _replan_kwargs(s["change"])
+            fewer["world_size"] -= 1
+            assert not plan(params, **{**base, **fewer}).fits
+    assert main(flags) == 0
+    text = capsys.readouterr().out
+    assert (f"  host memory is short: {ref.host_bytes_per_node / 2**30:.2f} GiB needed per "
+            f"node, {parse_bytes(host) / 2**30:.2f} GiB available") in text
+    assert "changes that fit:\n" in text and "device memory is short" not in text
+
+
+def test_both_short_13b_lists_a_change_that_fits(capsys):
+    assert main(["--params", "13e9", *CLI]) == 0
+    text = capsys.readouterr().out
+    ref = plan(13e9, **KW)
+    assert not ref.device_fits and not ref.host_fits
+    assert (f"  device memory is short: {ref.device_bytes / 2**30:.2f} GiB needed, "
+            "24.00 GiB available") in text
+    assert f"  host memory is short: {ref.host_bytes_per_node / 2**30:.2f} GiB" in text
+    changes = [line.strip() for line in text.split("changes that fit:\n")[1].splitlines()
+               if line.startswith("  --") or line.startswith("  without")]
+    assert changes
+    for line in changes:  # "CHANGE: device X GiB, host Y GiB per node"
+        change, figures = line.rsplit(": device ", 1)
+        again = plan(13e9, **{**KW, **_replan_kwargs(change)})
+        assert again.fits, line
+        assert figures == (f"{again.device_bytes / 2**30:.2f} GiB, host "
+                           f"{again.host_bytes_per_node / 2**30:.2f} GiB per node")
+
+
+def test_llama7b_activations_checkpointing_and_never_zero_largest(tmp_path, capsys):
+    folder = _llama7b(tmp_path)
+    assert model_info(folder)["params"] == 6_738_415_616
+    s, b, h, a, v, layers = 2048, 1, 4096, 32, 32000, 32
+    full = s * b * h * (34 + 5 * a * s / h)  # one layer, 16-bit
+    kw = dict(model=folder, batch_size=b, seq_len=s, **KW)
+    plain, ckpt = plan(**kw), plan(**kw, activation_checkpointing=True)
+    assert plain.device_breakdown["activations (estimate)"] == int(layers * full + s * b * v * 6)
+    assert ckpt.device_breakdown["activations (estimate)"] == int(
+        layers * s * b * h * 2 + full + s * b * v * 6)
+    # without checkpointing the activations alone (28.9 GiB) exceed the device: no "0.00B"
+    assert plain.device_fits is False and plain.max_params_that_fit is None
+    assert plain.max_params_blocked_by == "activations"
+    assert [x["change"] for x in plain.suggestions] == ["--activation-checkpointing"]
+    assert ckpt.fits and ckpt.max_params_that_fit > 6e9
+    assert plan(6.5e9, **KW).fits and not plan(7e9, **KW).fits  # the weights alone fit
+    flags = ["--model", str(folder / "config.json"), "--batch-size", "1", "--seq-len", "2048",
+             *CLI]
+    assert main(flags) == 0
+    text = capsys.readouterr().out
+    assert "0.00B" not in text
+    assert "largest model that fits: none at batch 1 x 2048: activations are the limit" in text
+    assert "  use --activation-checkpointing or a smaller --batch-size / --seq-len" in text
+    assert main([*flags, "--activation-checkpointing"]) == 0
+    text = capsys.readouterr().out
+    assert "fits: yes" in text
+    assert f"largest model that fits: {ckpt.max_params_that_fit / 1e9:.2f}B" in text
+
+
+def test_smaller_batch_is_the_largest_that_fits(tmp_path):
+    kw = dict(model=_llama7b(tmp_path), seq_len=2048, activation_checkpointing=True, **KW)
+    p = plan(batch_size=16, **kw)
+    assert p.short == [{"resource": "device", "needed": p.device_bytes,
+                        "available": 24 * 2**30}]
+    batches = [int(x["change"].split()[1]) for x in p.suggestions
+               if x["change"].startswith("--batch-size")]
+    assert len(batches) == 1 and 1 < batches[0] < 16
+    assert plan(batch_size=batches[0], **kw).fits
+    assert not plan(batch_size=batches[0] + 1, **kw).fits
+
+
+def test_accumulate_figure_once_and_follows_plan_counts(monkeypatch, capsys):
+    flags = ["--params", "1e9", *CLI]
+    assert main(flags) == 0
+    text = capsys.readouterr().out
+    # today the fp32 gradient is budgeted either way: one figure, said once
+    p = plan(1e9, **KW)
+    assert p.host_bytes_accumulating == p.host_bytes_per_rank
+    assert (f"host bytes per rank: {p.host_bytes_per_rank / 2**30:.2f} GiB (the same with "
+            "--accumulate)") in text
+    assert "while accumulating" not in text
+    # a plan_counts that budgets the fp32 gradient only where the run accumulates: the planner
+    # passes it the run's setting, and --accumulate makes the accumulating figure the run's
+    from lightning_zero_offload.core import host
+
+    real = host.plan_counts
+
+    def plan_counts(*args, accumulate: bool, **kwargs):
+        sizes = real(*args, **kwargs)
+        if not accumulate:
+            sizes.parts["grad_fp32"] = 0
+        return sizes
+
+    monkeypatch.setattr(host, "plan_counts", plan_counts)
+    lean = plan(1e9, **KW)
+    assert lean.host_bytes_per_rank == p.host_bytes_per_rank - p.host_breakdown["grad_fp32"]
+    assert lean.host_bytes_accumulating == p.host_bytes_per_rank
+    assert main(flags) == 0
+    text = capsys.readouterr().out
+    assert (f"host bytes per rank: {lean.host_bytes_per_rank / 2**30:.2f} GiB (with "
+            f"--accumulate: {p.host_bytes_per_rank / 2**30:.2f} GiB)") in text
+    assert main([*flags, "--accumulate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["accumulate"] is True
+    assert out["host_bytes_per_rank"] == out["host_bytes_accumulating"] == p.host_bytes_per_rank

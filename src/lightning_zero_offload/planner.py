@@ -3,7 +3,8 @@
 ``plan(7e9, precision="bf16-mixed", device_memory="24GiB", host_memory="128GiB")`` (or the
 ``lzo-plan`` command) counts what the engine allocates for a model of that many parameters, says
 whether it fits, the largest model that would, and predicts the CPU step's time from a 0.2 s
-measurement of the fused AdamW kernel on this host.
+measurement of the fused AdamW kernel on this host. When it does not fit it names the memory
+that is short and the changes that fit (``planner_advice``), each re-planned here.
 
 ``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
 ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
@@ -14,8 +15,8 @@ host, per rank
     functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
     master weights ``4 S`` and the moments ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``:
     fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
-    fp32 gradient ``4 S`` (on a
-    GPU it is allocated only when gradients accumulate, but it is budgeted); on a GPU the
+    fp32 gradient ``4 S`` (as ``plan_counts`` counts it for a run that accumulates,
+    ``accumulate``, or not; ``host_bytes_accumulating`` is the accumulating figure); on a GPU the
     gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
     into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
     two; the fp32 master, pinned in ``32-true``, is rounded whole); with delayed update a second
@@ -27,14 +28,18 @@ device (CUDA)
     the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
     update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
     reduced and copied out: ``core.streaming.MAX_IN_FLIGHT``) and, when ``batch_size``/
-    ``seq_len`` and a model config are given, an activation estimate for a decoder-only
+    ``seq_len`` and a model config are given, an activation estimate (batch ``b``, sequence
+    ``s``, hidden size ``H``, ``a`` heads, ``L`` layers, vocabulary ``V``) for a decoder-only
     transformer without recomputation (Korthikanti et al. 2022, 16-bit:
     ``s b H (34 + 5 a s / H)`` bytes per layer, plus the logits ``s b V (h + 4)``; fused
-    attention kernels drop most of the ``5 a s / H`` term). Not counted: the CUDA context
-    (~0.5 GiB), allocator fragmentation, torch's workspace.
+    attention kernels drop most of the ``5 a s / H`` term). With ``activation_checkpointing``
+    each of the ``L`` layers keeps only its input and one layer at a time is recomputed in
+    full: ``L s b H h + s b H (34 + 5 a s / H) + s b V (h + 4)``. Not counted: the CUDA
+    context (~0.5 GiB), allocator fragmentation, torch's workspace.
 
 Parameter alignment pads every parameter to 16 elements (not counted: under 0.1% for real
-models) and every bucket to ``16 W`` (counted).
+models) and every bucket to ``16 W`` (counted). The largest model that fits keeps the batch, the
+sequence and so the activation estimate; when activations alone leave no room it says so.
 """
 
 from __future__ import annotations
@@ -42,17 +47,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import re
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from lightning_zero_offload._activations import activation_bytes
+from lightning_zero_offload.planner_advice import render, short_resources, suggest
+from lightning_zero_offload.planner_model import activation_bytes, model_info
 
 __all__ = ["Plan", "plan", "parse_bytes", "model_info", "main"]
 
@@ -83,54 +86,6 @@ def _parse_count(value: int | float | str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def _safetensors_params(folder: Path) -> int | None:
-    """Parameter count from the headers of the *.safetensors files (reads no weights)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
-
-
-def model_info(path: str | os.PathLike) -> dict[str, Any]:
-    """Parameter count and shape of a local HF model: a folder (config.json, weights) or a
-    config.json. Counted from safetensors headers when there are weights, else by building the
-    model on the meta device from its config (needs transformers; allocates nothing)."""
-    path = Path(path)
-    cfg_file = path / "config.json" if path.is_dir() else path
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"lzo-plan: no config.json at {path} (give a local model folder "
-                                "or its config.json; the planner never downloads)")
-    cfg = json.loads(cfg_file.read_text())
-    text = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    info = {k: text.get(k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                      "vocab_size")}
-    params = _safetensors_params(cfg_file.parent)
-    if params is None:
-        try:
-            import torch
-            from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-        except ImportError as e:
-            raise ImportError(f"lzo-plan: {cfg_file.parent} has no *.safetensors to count; "
-                              "counting from config.json alone needs transformers "
-                              "(pip install 'lightning-zero-offload[transformers]') or use "
-                              "--params") from e
-        config = AutoConfig.from_pretrained(str(cfg_file.parent))
-        with torch.device("meta"):
-            try:
-                model = AutoModelForCausalLM.from_config(config)
-            except ValueError:
-                model = AutoModel.from_config(config)
-        params = sum(p.numel() for p in model.parameters())
-    info["params"] = params
-    return info
-
-
 @dataclass
 class Plan:
     """What ``plan`` found; every size in bytes, times in seconds."""
@@ -144,7 +99,7 @@ class Plan:
     device_breakdown: dict[str, int]
     host_bytes_per_rank: int
     host_breakdown: dict[str, int]
-    host_bytes_accumulating: int  # with the fp32 gradient of gradient accumulation (CUDA)
+    host_bytes_accumulating: int  # per rank, when the run accumulates gradients
     host_bytes_per_node: int
     device_memory: int | None
     host_memory: int | None
@@ -156,43 +111,30 @@ class Plan:
     kernel_params_per_second: float | None
     cpu_threads: int | None
     notes: list[str] = field(default_factory=list)
+    batch_size: int | None = None
+    seq_len: int | None = None
+    activation_bytes: int = 0  # the device's activation estimate
+    activation_checkpointing: bool = False
+    accumulate: bool = False
+    max_params_blocked_by: str | None = None  # "activations": no model fits at this batch
+    short: list[dict[str, Any]] = field(default_factory=list)  # {resource, needed, available}
+    suggestions: list[dict[str, Any]] = field(default_factory=list)  # planner_advice.suggest
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
-        def gib(b: int | None) -> str:
-            return "-" if b is None else f"{b / GiB:.2f} GiB"
-
-        yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
-        lines = [f"lzo-plan: {self.params / 1e9:.3f}B parameters "
-                 f"({self.trainable_params / 1e9:.3f}B trained), {self.precision}, "
-                 f"world size {self.world_size}, compute device {self.device}"]
-        if self.device == "cuda":
-            lines.append(f"device bytes: {gib(self.device_bytes)} of {gib(self.device_memory)}")
-            lines += [f"  {k:<26} {gib(v)}" for k, v in self.device_breakdown.items()]
-        lines.append(f"host bytes per rank: {gib(self.host_bytes_per_rank)} "
-                     f"({gib(self.host_bytes_accumulating)} while accumulating gradients); "
-                     f"per node {gib(self.host_bytes_per_node)} of {gib(self.host_memory)}")
-        lines += [f"  {k:<26} {gib(v)}" for k, v in self.host_breakdown.items()]
-        lines.append(f"fits: {yes[self.fits]}")
-        if self.max_params_that_fit is not None:
-            lines.append(f"largest model that fits: {self.max_params_that_fit / 1e9:.2f}B "
-                         "parameters (same settings)")
-        rate = self.kernel_params_per_second
-        if self.cpu_step_seconds is not None and rate is not None:
-            lines.append(f"predicted CPU step: {self.cpu_step_seconds:.3f} s per optimizer step "
-                         f"({rate / 1e9:.2f} G params/s measured here "
-                         f"with {self.cpu_threads} threads)")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return render(self)
 
 
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
-            bucket_bytes: int, delayed: bool, activations: int,
-            moment_dtype: str = "fp32") -> tuple[dict, dict, int]:
-    """(device breakdown, host breakdown, 0) for these counts. The host side is the engine's own
-    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``."""
+            bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str = "fp32",
+            accumulate: bool = False) -> tuple[dict, dict]:
+    """(device breakdown, host breakdown) for these counts. The host side is the engine's own
+    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``; it tells
+    ``plan_counts`` whether the run accumulates where ``plan_counts`` takes that."""
+    import inspect
+
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.host import budget, plan_counts
     from lightning_zero_offload.core.layout import shard_align
@@ -206,9 +148,11 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     rest = -(-rest // unit) * unit
     buckets = [bucket] * full + ([rest] if rest else [])
     shards = [b // world_size for b in buckets]
+    accum = ({"accumulate": accumulate} if "accumulate" in inspect.signature(plan_counts).parameters
+             else {})  # else the fp32 gradient is budgeted either way
     sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
                         pinned=not cpu, out_direct=cpu and world_size == 1 and half,
-                        moment_dtype=moment_dtype)
+                        moment_dtype=moment_dtype, **accum)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
                   untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
@@ -221,7 +165,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             bucket_bytes, h * trained)
         if activations:
             dev["activations (estimate)"] = activations
-    return dev, {k: v for k, v in host.items() if v}, 0
+    return dev, {k: v for k, v in host.items() if v}
 
 
 def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
@@ -259,12 +203,17 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          host_memory: int | str | None = None, batch_size: int | None = None,
          seq_len: int | None = None, bucket_size_mb: float = 25.0, delayed_update: bool = False,
          frozen_params: int | float | str = 0, measure: bool = True,
-         cpu_threads: int | None = None, moment_dtype: str = "fp32") -> Plan:
+         cpu_threads: int | None = None, moment_dtype: str = "fp32",
+         activation_checkpointing: bool = False, accumulate: bool = False) -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the module docstring for every term. ``host_memory`` is the
     machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``).
     ``frozen_params`` of the total do not train (e.g. a LoRA base model). ``moment_dtype`` is
-    ``ZeroOffloadConfig.moment_dtype`` (``"fp32"``, ``"bf16"`` or ``"int8"``)."""
+    ``ZeroOffloadConfig.moment_dtype`` (``"fp32"``, ``"bf16"`` or ``"int8"``).
+    ``activation_checkpointing``: the model recomputes each layer in backward (smaller
+    activation estimate). ``accumulate``: the run accumulates gradients over several backward
+    passes, so its host figure is the accumulating one. When it does not fit, ``short`` names
+    the memory that is short and ``suggestions`` the changes that fit, each re-planned."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
@@ -288,44 +237,72 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     if total < 1 or not 0 <= frozen < total:
         raise ValueError(f"plan: need params >= 1 and 0 <= frozen_params < params, got "
                          f"{total} and {frozen}")
-    trained = total - frozen
-    dev_mem = parse_bytes(device_memory) if device_memory is not None else None
-    host_mem = parse_bytes(host_memory) if host_memory is not None else None
-    ranks = ranks_per_node or world_size
-    bucket = int(bucket_size_mb * 2**20)
-    notes = []
-    acts = activation_bytes(info, batch_size, seq_len, _ELEM[precision])
-    if (batch_size or seq_len) and not acts:
-        notes.append("no activation estimate: it needs batch_size, seq_len and a model config "
-                     "(--model) for the hidden size, layers and heads")
+    st = dict(total=total, frozen=frozen, info=info, precision=precision,
+              world_size=world_size, ranks_per_node=ranks_per_node, device=device,
+              device_memory=parse_bytes(device_memory) if device_memory is not None else None,
+              host_memory=parse_bytes(host_memory) if host_memory is not None else None,
+              batch_size=batch_size, seq_len=seq_len, bucket=int(bucket_size_mb * 2**20),
+              delayed_update=delayed_update, moment_dtype=moment_dtype,
+              activation_checkpointing=activation_checkpointing, accumulate=accumulate)
+    result = _evaluate(st, search=True)
+    if (batch_size or seq_len) and not result.activation_bytes:
+        result.notes.append("no activation estimate: it needs batch_size, seq_len and a model "
+                            "config (--model) for the hidden size, layers and heads")
+    if result.fits is False:
+        result.short = short_resources(result)
+        result.suggestions = suggest(result, st, lambda o: _evaluate({**st, **o}, search=False))
+    if measure:
+        import torch
 
-    def sizes(n_trained: int, n_frozen: int) -> tuple[dict, dict, int]:
-        return _counts(n_trained, n_frozen, precision, world_size, device, bucket,
-                       delayed_update, acts, moment_dtype)
+        from lightning_zero_offload.core.delayed import default_threads
 
-    dev, host, accum = sizes(trained, frozen)
-    dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
+        threads = cpu_threads or default_threads(world_size, torch.device(device),
+                                                 delayed_update)
+        rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
+        result.cpu_threads, result.kernel_params_per_second = threads, rate
+        result.cpu_step_seconds = -(-(total - frozen) // world_size) / rate
+        result.notes.append("the CPU step prediction assumes this host trains the run, each "
+                            f"rank with {threads} threads; a shared or busy machine measures "
+                            "slower")
+    return result
+
+
+def _evaluate(st: dict[str, Any], search: bool) -> Plan:
+    """The plan for settings ``st`` (``plan``'s, resolved), and with ``search`` the largest model
+    that fits with the same settings and the same activation estimate."""
+    total, frozen, device = st["total"], st["frozen"], st["device"]
+    dev_mem, host_mem = st["device_memory"], st["host_memory"]
+    ranks = st["ranks_per_node"] or st["world_size"]
+    acts = activation_bytes(st["info"], st["batch_size"], st["seq_len"], st["precision"],
+                        st["activation_checkpointing"])
+
+    def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int) -> tuple[dict, dict]:
+        return _counts(n_trained, n_frozen, st["precision"], st["world_size"], device,
+                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate)
 
     def fit(d: int, hb: int) -> tuple[bool | None, bool | None]:
-        dfit = None if device == "cpu" else (None if dev_mem is None else d <= dev_mem)
-        if device == "cpu" and host_mem is not None:
-            dfit = True
+        dfit = (True if host_mem is not None else None) if device == "cpu" else (
+            None if dev_mem is None else d <= dev_mem)
         return dfit, None if host_mem is None else hb * ranks <= host_mem
 
+    dev, host = sizes(total - frozen, frozen, st["accumulate"], acts)
+    dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
+    host_acc = host_bytes if st["accumulate"] else sum(
+        sizes(total - frozen, frozen, True, acts)[1].values())
     device_fits, host_fits = fit(dev_bytes, host_bytes)
     fits = None if None in (device_fits, host_fits) else bool(device_fits and host_fits)
-    if fits and accum and host_mem is not None and (host_bytes + accum) * ranks > host_mem:
-        notes.append("gradient accumulation over several synchronizing backward passes adds an "
-                     f"fp32 host gradient ({accum / GiB:.2f} GiB per rank), which does not fit")
-    largest = None
-    if fits is not None:  # bytes grow with the model: bisect on the total (same frozen share)
-        share = frozen / total
+    notes = []
+    if fits and not st["accumulate"] and host_acc * ranks > host_mem:
+        notes.append(f"with --accumulate (an fp32 host gradient) it would not fit: "
+                     f"{host_acc * ranks / GiB:.2f} GiB per node")
+    largest = blocked = None
+    if search and fits is not None:  # bytes grow with the model: bisect on the total
+        share = frozen / total  # (same frozen share; batch, sequence and activations held)
 
-        def ok(n: int) -> bool:
+        def ok(n: int, a: int = acts) -> bool:
             nf = int(n * share)
-            d, hb, _ = sizes(n - nf, nf)
-            df, hf = fit(sum(d.values()), sum(hb.values()))
-            return bool(df and hf)
+            d, hb = sizes(n - nf, nf, st["accumulate"], a)
+            return all(fit(sum(d.values()), sum(hb.values())))
 
         lo, hi = 0, 1
         while ok(hi) and hi < 10**15:
@@ -334,21 +311,14 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
         largest = lo
-    seconds = rate = None
-    threads = cpu_threads
-    if measure:
-        import torch
-
-        from lightning_zero_offload.core.delayed import default_threads
-
-        threads = threads or default_threads(world_size, torch.device(device), delayed_update)
-        rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
-        seconds = -(-trained // world_size) / rate
-        notes.append("the CPU step prediction assumes this host trains the run, each rank with "
-                     f"{threads} threads; a shared or busy machine measures slower")
-    return Plan(total, trained, precision, world_size, device, dev_bytes, dev, host_bytes, host,
-                host_bytes + accum, host_bytes * ranks, dev_mem, host_mem, fits, device_fits,
-                host_fits, largest, seconds, rate, threads, notes)
+        if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
+            largest, blocked = None, "activations"
+    return Plan(total, total - frozen, st["precision"], st["world_size"], device, dev_bytes,
+                dev, host_bytes, host, host_acc, host_bytes * ranks, dev_mem, host_mem, fits,
+                device_fits, host_fits, largest, None, None, None, notes,
+                batch_size=st["batch_size"], seq_len=st["seq_len"], activation_bytes=acts,
+                activation_checkpointing=st["activation_checkpointing"],
+                accumulate=st["accumulate"], max_params_blocked_by=blocked)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, help="for the activation estimate")
     p.add_argument("--bucket-size-mb", type=float, default=25.0)
     p.add_argument("--delayed-update", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the model recomputes each layer in backward (keeps only layer inputs)")
+    p.add_argument("--accumulate", action="store_true",
+                   help="the run accumulates gradients (accumulate_grad_batches > 1)")
     p.add_argument("--moment-dtype", default="fp32", choices=["fp32", "bf16", "int8"],
                    help="how the host keeps the Adam moments (ZeroOffloadConfig.moment_dtype)")
     p.add_argument("--frozen-params", default="0", help="parameters that do not train")
@@ -382,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                       device_memory=a.device_memory, host_memory=a.host_memory,
                       batch_size=a.batch_size, seq_len=a.seq_len, bucket_size_mb=a.bucket_size_mb,
                       delayed_update=a.delayed_update, frozen_params=a.frozen_params,
-                      measure=not a.no_measure, moment_dtype=a.moment_dtype)
+                      measure=not a.no_measure, moment_dtype=a.moment_dtype,
+                      activation_checkpointing=a.activation_checkpointing,
+                      accumulate=a.accumulate)
     except (ValueError, OSError, ImportError) as e:
         p.error(str(e))
     print(json.dumps(result.to_dict()) if a.json else result)
