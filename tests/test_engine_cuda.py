@@ -192,18 +192,25 @@ def test_cuda_half_precision_follows_the_cpu_path(precision, delayed, monkeypatc
 
 
 # -- host memory: what is allocated against what is budgeted ----------------------------------
-def live_host_bytes() -> dict[int, tuple[int, bool]]:
-    """Every CPU storage a live tensor holds: data pointer -> (bytes, pinned), found by walking
-    the garbage collector's objects (independent of the engine's own accounting)."""
+def live_host_storages() -> dict[int, torch.UntypedStorage]:
+    """Every CPU storage a live tensor holds, by data pointer, found by walking the garbage
+    collector's objects (independent of the engine's own accounting). Holding the result keeps
+    those storages alive, so a later allocation cannot reuse an address and hide as "old"."""
     gc.collect()
-    out: dict[int, tuple[int, bool]] = {}
+    out: dict[int, torch.UntypedStorage] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == (
                 torch.strided):
             s = obj.untyped_storage()
             if s.data_ptr() and s.nbytes():
-                out[s.data_ptr()] = (s.nbytes(), CUDA and s.is_pinned())
+                out[s.data_ptr()] = s
     return out
+
+
+def new_host_bytes(before: dict[int, torch.UntypedStorage]) -> tuple[int, int]:
+    """(bytes, pinned bytes) of the CPU storages alive now that were not in ``before``."""
+    new = [s for p, s in live_host_storages().items() if p not in before]
+    return sum(s.nbytes() for s in new), sum(s.nbytes() for s in new if CUDA and s.is_pinned())
 
 
 # Parts allocated on first use (may still be absent): the fp32 gradient on an asynchronous
@@ -233,7 +240,7 @@ def _check_host_budget(device: str, precision: str, micro: int) -> ZeroOffload:
     against ``engine.host_budget``."""
     gc.collect()
     model = make(d=64, vocab=128)
-    before = live_host_bytes()
+    before = live_host_storages()
     engine = ZeroOffload(model, torch.optim.AdamW(param_groups(model), lr=1e-2), device=device,
                          precision=precision, bucket_size_mb=0.01, delayed_update=True)
     assert sum(engine.host_budget.values()) == engine.host_bytes
@@ -250,9 +257,8 @@ def _check_host_budget(device: str, precision: str, micro: int) -> ZeroOffload:
             engine.step()
             engine.zero_grad()
             engine.synchronize()
-        new = {p: v for p, v in live_host_bytes().items() if p not in before}
-        problems = host_budget_problems(engine.host_budget, sum(n for n, _ in new.values()),
-                                        sum(n for n, pin in new.values() if pin), pinned_planned)
+        problems = host_budget_problems(engine.host_budget, *new_host_bytes(before),
+                                        pinned_planned)
         assert not problems, f"after {step} steps: {problems}"
     return engine
 
