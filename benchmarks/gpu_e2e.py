@@ -204,7 +204,8 @@ def _free(device: torch.device) -> None:
 def _error(e: BaseException) -> dict:
     """An exception as a result; ``does_not_fit`` marks the out-of-memory kinds (device OOM, the
     engine's host-memory preflight), which are figures, not failures."""
-    oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
+    oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "out of memory" in str(e).lower())  # e.g. cudaHostAlloc
     return {"error": f"{type(e).__name__}: {str(e)[:300]}", "does_not_fit": oom}
 
 

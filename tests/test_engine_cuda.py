@@ -207,10 +207,18 @@ def live_host_storages() -> dict[int, torch.UntypedStorage]:
     return out
 
 
+def _reserved(s: torch.UntypedStorage) -> tuple[int, bool]:
+    """(bytes the host really holds for ``s``, pinned): CUDA's pinned allocator hands out a
+    power of two for every block."""
+    if CUDA and s.is_pinned():
+        return 1 << max(0, s.nbytes() - 1).bit_length(), True
+    return s.nbytes(), False
+
+
 def new_host_bytes(before: dict[int, torch.UntypedStorage]) -> tuple[int, int]:
     """(bytes, pinned bytes) of the CPU storages alive now that were not in ``before``."""
-    new = [s for p, s in live_host_storages().items() if p not in before]
-    return sum(s.nbytes() for s in new), sum(s.nbytes() for s in new if CUDA and s.is_pinned())
+    new = [_reserved(s) for p, s in live_host_storages().items() if p not in before]
+    return sum(n for n, _ in new), sum(n for n, pin in new if pin)
 
 
 # Parts allocated on first use (may still be absent): the fp32 gradient on an asynchronous
