@@ -17,12 +17,18 @@ exact peak host memory, an OOM or hang cannot take the rest down), under one tim
 2. Largest model that trains (two steps, batch 1 x seq, activation checkpointing) with the device
    capped by ``torch.cuda.set_per_process_memory_fraction`` (default 24 GiB), with and without
    offload (the no-offload peer is ``torch_autocast``: 16 bytes per parameter, the usual setup).
-   Sizes are tried from the largest down; the first that trains is the answer; sizes that cannot
-   fit on arithmetic alone (16 B/param over the cap, or over host memory for offload) are skipped.
+   Sizes are tried from the largest down; the first that trains is the answer. A size is built
+   only if it can fit: for offload, ``lightning_zero_offload.planner.plan`` (the engine's own
+   sizing) plus an activation estimate must fit the cap and the host's free memory; without
+   offload, 16 B/param plus activations must fit the cap. Each size tried gets a fixed share of
+   the budget (``--cap-share``), so one slow candidate cannot starve the search.
 
 Writes ``gpu_e2e.json`` (after every job, so a timeout keeps what finished) and ``gpu_e2e.md`` (a
-snippet for ``benchmarks/RESULTS.md``) to ``--out``. ``--cpu-smoke`` runs every code path on the CPU
-with tiny models in seconds (what the tests run; there, cap jobs run in the parent process).
+snippet for ``benchmarks/RESULTS.md``) to ``--out``. Exits 1, naming each job, when a job fails or
+comes back without its figures (an out-of-memory, or a host-memory preflight refusal, is a
+figure: that size does not fit). ``--rehearse`` (alias ``--cpu-smoke``) runs every job through
+the same settings, child processes and checks on the CPU, with tiny models and the one-thread
+torch of a shared machine: only the device, the sizes and the budget differ (see ``settings``).
 """
 
 from __future__ import annotations
@@ -46,9 +52,32 @@ from _gpt import build_gpt, gpt_config, random_batch  # noqa: E402
 
 GIB = 2**30
 PEERS = ("torch_bf16_master", "torch_autocast", "zero_offload", "zero_offload_dpu")
+OFFLOAD_PEERS = ("zero_offload", "zero_offload_dpu")
 DPU_WARMUP = 2
 CHECKPOINT_ABOVE = 2e9  # activation checkpointing for every peer above this many parameters
 CAP_SIZES = ("13b", "6.7b", "4b", "2.7b", "1.3b", "760m", "350m")
+# The rehearsal's candidates: 13b must be refused by the arithmetic and the planner unbuilt.
+REHEARSE_CAP_SIZES = ("13b", "small", "tiny")
+# What a throughput peer must bring back (plus the device peak on CUDA, the profile for ours).
+FIGURES = ("step_s", "tokens_per_s", "tflops", "peak_host_gib")
+
+
+def engine_settings(cpu_threads: int | None) -> dict:
+    """The ``ZeroOffload`` keyword arguments of every offload job, on CUDA and in the rehearsal
+    alike (``delayed_update`` is added per peer): one place, so a value the config rejects fails
+    the rehearsal too. ``cpu_threads=None`` is the engine's own choice (the cores this process
+    may use, one fewer with delayed update)."""
+    return {"precision": "bf16-mixed", "delayed_update_warmup": DPU_WARMUP,
+            "cpu_threads": cpu_threads}
+
+
+def check_engine_settings(engine: dict) -> None:
+    """Fail before any job when ``ZeroOffloadConfig`` rejects the settings (a wasted GPU run
+    otherwise: every offload job would fail the same way)."""
+    from lightning_zero_offload import ZeroOffloadConfig
+
+    for delayed in (False, True):
+        ZeroOffloadConfig().replace(delayed_update=delayed, **engine)
 
 
 class PeakRSS:
@@ -78,8 +107,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_peer(peer: str, cfg, device: torch.device, cpu_threads: int | None = None):  # noqa: ANN001, ANN201
-    """Build model + optimizer for ``peer``; returns (train_step() -> None, cleanup() -> dict)."""
+def make_peer(peer: str, cfg, device: torch.device, engine: dict):  # noqa: ANN001, ANN201
+    """Build model + optimizer for ``peer``; returns (train_step() -> None, cleanup() -> dict).
+    ``engine``: :func:`engine_settings` (offload peers only)."""
     gen = device if device.type == "cuda" else "cpu"
     hp = dict(lr=1e-4, weight_decay=0.1)
     if peer == "torch_autocast":
@@ -111,26 +141,24 @@ def make_peer(peer: str, cfg, device: torch.device, cpu_threads: int | None = No
             model.zero_grad(set_to_none=True)
 
         return step, lambda: {}
-    if peer in ("zero_offload", "zero_offload_dpu"):
+    if peer in OFFLOAD_PEERS:
         from lightning_zero_offload import ZeroOffload
         from lightning_zero_offload.core.profile import summarize
 
         model = build_gpt(cfg, device="cpu", dtype=torch.bfloat16, gen_device=gen)
         opt = torch.optim.AdamW(model.parameters(), **hp)
-        dpu = peer == "zero_offload_dpu"
-        engine = ZeroOffload(model, opt, device=device, precision="bf16-mixed",
-                             delayed_update=dpu, delayed_update_warmup=DPU_WARMUP,
-                             cpu_threads=cpu_threads)
+        zo = ZeroOffload(model, opt, device=device, delayed_update=peer == "zero_offload_dpu",
+                         **engine)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> None:
-            engine.backward(engine.module(x, y))
-            engine.step()
-            engine.zero_grad()
+            zo.backward(zo.module(x, y))
+            zo.step()
+            zo.zero_grad()
 
         def cleanup() -> dict:
-            engine.synchronize()
-            prof = summarize(list(engine.profile)[-5:])
-            engine.teardown(copy_weights_to_module=False)
+            zo.synchronize()
+            prof = summarize(list(zo.profile)[-5:])
+            zo.teardown(copy_weights_to_module=False)
             return {"profile_mean_s": prof}
 
         return step, cleanup
@@ -138,14 +166,14 @@ def make_peer(peer: str, cfg, device: torch.device, cpu_threads: int | None = No
 
 
 def run_peer(peer: str, cfg, device: torch.device, batch: int, warmup: int, steps: int,  # noqa: ANN001
-             cpu_threads: int | None = None) -> dict:
+             engine: dict) -> dict:
     """Train ``warmup`` + ``steps`` steps; time the last ``steps`` (device work included)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     x, y = random_batch(cfg, batch, device=device)
     with PeakRSS() as rss:
         t_setup = time.perf_counter()
-        step, cleanup = make_peer(peer, cfg, device, cpu_threads)
+        step, cleanup = make_peer(peer, cfg, device, engine)
         setup_s = time.perf_counter() - t_setup
         for _ in range(warmup):
             step(x, y)
@@ -173,13 +201,20 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _error(e: BaseException) -> dict:
+    """An exception as a result; ``does_not_fit`` marks the out-of-memory kinds (device OOM, the
+    engine's host-memory preflight), which are figures, not failures."""
+    oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "out of memory" in str(e).lower())  # e.g. cudaHostAlloc
+    return {"error": f"{type(e).__name__}: {str(e)[:300]}", "does_not_fit": oom}
+
+
 def child(job: dict) -> dict:
     """One job in this process: ``throughput`` (all peers) or ``cap`` (one mode, one size)."""
     device = torch.device(job["device"])
     cfg = gpt_config(job["size"], **job.get("cfg", {}))
-    threads = job.get("cpu_threads")
-    if threads:
-        torch.set_num_threads(threads)
+    if job.get("torch_threads"):
+        torch.set_num_threads(job["torch_threads"])
     res: dict = {"job": job, "n_params": cfg.n_params}
     if job["kind"] == "throughput":
         res["peers"] = {}
@@ -189,9 +224,9 @@ def child(job: dict) -> dict:
                 continue
             try:
                 res["peers"][peer] = run_peer(peer, cfg, device, job["batch"], job["warmup"],
-                                              job["steps"], threads)
+                                              job["steps"], job["engine"])
             except Exception as e:  # noqa: BLE001 - an OOM of one peer must not hide the others
-                res["peers"][peer] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                res["peers"][peer] = _error(e)
             _free(device)
         return res
     if device.type == "cuda":
@@ -199,14 +234,15 @@ def child(job: dict) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, job["cap_gib"] * GIB / total), device)
     peer = "zero_offload" if job["mode"] == "offload" else "torch_autocast"
     try:
-        r = run_peer(peer, cfg, device, job["batch"], warmup=1, steps=1, cpu_threads=threads)
+        r = run_peer(peer, cfg, device, job["batch"], 1, 1, job["engine"])
         res.update(ok=True, **{k: r[k] for k in r if k.startswith("peak") or k == "step_s"})
     except Exception as e:  # noqa: BLE001 - OOM or host preflight: this size does not train
-        res.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        res.update(ok=False, **_error(e))
     return res
 
 
 def spawn(job: dict, timeout: float) -> dict:
+    """Run ``job`` in a child process (its own device memory, cap and peak RSS)."""
     cmd = [sys.executable, __file__, "--child", json.dumps(job)]
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, timeout=max(timeout, 1.0), text=True)
@@ -214,8 +250,41 @@ def spawn(job: dict, timeout: float) -> dict:
         return {"job": job, "ok": False, "error": f"timeout after {timeout:.0f}s"}
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
-        return {"job": job, "ok": False, "error": f"child exit code {p.returncode}"}
+        return {"job": job, "ok": False, "error": f"child exit code {p.returncode} (its "
+                "traceback is above in this log)"}
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def activation_bytes(cfg, batch: int) -> int:  # noqa: ANN001
+    """Activations of one training step under activation checkpointing, 16-bit: each block's
+    input kept, one block recomputed in full (Korthikanti et al. 2022: ``s b H (34 + 5 a s / H)``)
+    and the logits with their fp32 loss (``s b V (2 + 4)``)."""
+    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_head
+    block = s * batch * h * (34 + 5 * a * s / h)
+    return int(cfg.n_layer * 2 * s * batch * h + block + s * batch * cfg.vocab_size * 6)
+
+
+def cannot_fit(mode: str, cfg, device: torch.device, cap_gib: float, engine: dict,  # noqa: ANN001
+               host_free: int) -> str | None:
+    """Why ``cfg`` cannot train in ``mode`` under the cap (None: it may, build it). Offload asks
+    the planner (the engine's own sizing); the GPU-resident peer needs 16 B/param."""
+    from lightning_zero_offload.planner import plan
+
+    cap, acts, n = cap_gib * GIB, activation_bytes(cfg, 1), cfg.n_params
+    if mode == "gpu":
+        need = 16 * n + acts
+        return (f"16 B/param + activations = {need / GIB:.1f} GiB exceed the {cap_gib:g} GiB cap"
+                if need > cap else None)
+    p = plan(n, precision=engine["precision"], device=device.type, host_memory=host_free,
+             device_memory=int(cap) if device.type == "cuda" else None, measure=False)
+    if device.type == "cuda" and p.device_bytes + acts > cap:
+        return (f"planner: {p.device_bytes / GIB:.1f} GiB + activations {acts / GIB:.1f} GiB "
+                f"exceed the {cap_gib:g} GiB cap")
+    host = p.host_bytes_per_rank + 2 * n  # + the bf16 model built on the host first
+    if host > host_free:
+        return (f"planner: {host / GIB:.1f} GiB of host memory (model included) exceed the "
+                f"{host_free / GIB:.1f} GiB free")
+    return None
 
 
 def environment(device: torch.device) -> dict:
@@ -231,11 +300,43 @@ def environment(device: torch.device) -> dict:
 def ratios(peers: dict) -> dict:
     base = {k: peers.get(k, {}).get("tokens_per_s") for k in PEERS[:2]}
     out = {}
-    for p in ("zero_offload", "zero_offload_dpu"):
+    for p in OFFLOAD_PEERS:
         tps = peers.get(p, {}).get("tokens_per_s")
         for b, v in base.items():
             if tps and v:
                 out[f"{p}/{b}"] = tps / v
+    return out
+
+
+def failures(results: dict) -> list[str]:
+    """One line per job that failed or came back without its figures, naming the job. An
+    out-of-memory is a figure (that size does not fit), not a failure; so is a size the
+    arithmetic or the planner ruled out."""
+    cuda = results["environment"]["device"].startswith("cuda")
+    out = []
+    for r in results["throughput"]:
+        name = f"throughput {r['job']['size']}"
+        if "peers" not in r:
+            out.append(f"{name}: {r.get('error', 'no result')}")
+            continue
+        for peer in r["job"]["peers"]:
+            m = r["peers"].get(peer, {"error": "missing from the result"})
+            need = (*FIGURES, *(("peak_device_gib",) if cuda else ()),
+                    *(("profile_mean_s",) if peer in OFFLOAD_PEERS else ()))
+            if "error" in m and not m.get("does_not_fit"):
+                out.append(f"{name} {peer}: {m['error']}")
+            elif "error" not in m and [k for k in need if k not in m]:
+                out.append(f"{name} {peer}: came back without {[k for k in need if k not in m]}")
+    for mode in ("gpu", "offload"):
+        search = results["cap"].get(mode)
+        if search is None:
+            out.append(f"cap {mode}: not run")
+            continue
+        for r in search["tried"]:
+            if "skipped" not in r and not r.get("ok") and not r.get("does_not_fit"):
+                out.append(f"cap {mode} {r['size']}: {r.get('error', 'no result')}")
+        if search["largest"] is None:
+            out.append(f"cap {mode}: no size trained under the cap")
     return out
 
 
@@ -248,8 +349,10 @@ def markdown(results: dict) -> str:
              "| host GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["throughput"]:
         base = r.get("peers", {}).get("torch_bf16_master", {}).get("tokens_per_s")
+        size, n = r["job"]["size"], f"{r['n_params'] / 1e9:.2f}B"
+        if "peers" not in r:
+            lines.append(f"| {size} | {n} | | all | {r.get('error', '')[:60]} | | | | |")
         for peer, m in r.get("peers", {}).items():
-            size, n = r["job"]["size"], f"{r['n_params'] / 1e9:.2f}B"
             if "error" in m:
                 lines.append(f"| {size} | {n} | | {peer} | {m['error'][:60]} | | | | |")
                 continue
@@ -257,6 +360,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {size} | {n} | {m['tokens_per_step']} | {peer} | "
                          f"{m['tokens_per_s']:.0f} | {m['tflops']:.1f} | {ratio} | "
                          f"{m.get('peak_device_gib', 0):.1f} | {m['peak_host_gib']:.1f} |")
+    if results.get("not_run"):
+        lines.append(f"\nNot run (time budget spent): {', '.join(results['not_run'])}")
     cap = results.get("cap", {})
     lines += ["", f"Largest model that trains under a {results['args']['cap_gib']} GiB device cap:"]
     for mode in ("gpu", "offload"):
@@ -268,17 +373,37 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def settings(args: argparse.Namespace) -> dict:
+    """Everything the CUDA run and the rehearsal do differently: the device, the sizes, torch's
+    thread count on a shared machine. The jobs, the engine settings and the checks are shared."""
+    if args.rehearse:  # one torch thread: a shared 2-core machine is not oversubscribed
+        return {"device": torch.device("cpu"), "sizes": (args.sizes or "tiny").split(","),
+                "cap_sizes": REHEARSE_CAP_SIZES, "torch_threads": 1,
+                "cfg": {"vocab_size": 512, "seq_len": 64}, "batch": 2, "steps": 2}
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_e2e.py needs a CUDA device; use --rehearse to rehearse on the CPU")
+    return {"device": torch.device("cuda"), "sizes": (args.sizes or "350m,1.3b,2.7b,6.7b")
+            .split(","), "cap_sizes": CAP_SIZES, "torch_threads": None,
+            "cfg": {"seq_len": args.seq}, "batch": args.batch, "steps": args.steps}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny models on the CPU, seconds")
+    p.add_argument("--rehearse", "--cpu-smoke", action="store_true",
+                   help="every job on the CPU with tiny models (seconds per job)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     p.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget, all jobs")
-    p.add_argument("--sizes", default="350m,1.3b,2.7b,6.7b", help="throughput sizes, in order")
+    p.add_argument("--sizes", help="throughput sizes, in order (default 350m,1.3b,2.7b,6.7b; "
+                   "tiny with --rehearse)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--warmup", type=int, default=DPU_WARMUP + 2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--cap-gib", type=float, default=24.0)
+    p.add_argument("--cap-share", type=float, default=0.15,
+                   help="share of --budget-s each size of the largest-model search may take")
+    p.add_argument("--cpu-threads", type=int, help="ZeroOffload(cpu_threads=); default: the "
+                   "engine's own choice")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -286,62 +411,59 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.time()
     deadline = start + args.budget_s
-    if args.cpu_smoke:  # one torch thread: a shared 2-core machine is not oversubscribed
-        device, sizes, cap_sizes, threads = torch.device("cpu"), ["tiny"], ("small", "tiny"), 1
-        cfg_kw, args.batch, args.steps = {"vocab_size": 512, "seq_len": 64}, 2, 2
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("gpu_e2e.py needs a CUDA device; use --cpu-smoke to test on the CPU")
-        device, cap_sizes, threads = torch.device("cuda"), CAP_SIZES, 0
-        sizes = args.sizes.split(",")
-        cfg_kw = {"seq_len": args.seq}
+    s = settings(args)
+    device, cfg_kw, engine = s["device"], s["cfg"], engine_settings(args.cpu_threads)
+    try:
+        check_engine_settings(engine)
+    except (TypeError, ValueError) as e:
+        print(f"gpu_e2e: FAILED before any job: the offload jobs' settings {engine} are "
+              f"rejected: {e}", flush=True)
+        return 1
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"environment": environment(device), "args": vars(args), "throughput": [],
-                     "cap": {}}
+                     "cap": {}, "not_run": []}
 
     def save() -> None:
         (out_dir / "gpu_e2e.json").write_text(json.dumps(results, indent=1))
         (out_dir / "gpu_e2e.md").write_text(markdown(results))
 
-    def run(job: dict, share: float, checkpoint: bool) -> dict:
-        """Give the job ``share`` of the time left."""
-        left = deadline - time.time()
-        job.update(device=str(device), cfg={**cfg_kw, "checkpoint": checkpoint},
-                   cpu_threads=threads, deadline=time.time() + left * share)
+    def run(job: dict, seconds: float, checkpoint: bool) -> dict:
+        """Run ``job`` in a child within ``seconds`` (never past the deadline)."""
+        seconds = min(seconds, deadline - time.time())
+        job.update(device=str(device), cfg={**cfg_kw, "checkpoint": checkpoint}, engine=engine,
+                   torch_threads=s["torch_threads"], deadline=time.time() + seconds)
         t = time.time()
-        # the CPU smoke has no memory cap to isolate: its cap jobs run here (imports are slow)
-        r = child(job) if args.cpu_smoke and job["kind"] == "cap" else spawn(job, left * share + 15)
+        r = spawn(job, seconds + 15)
         r["wall_s"] = time.time() - t
         print(f"[{time.time() - start:5.0f}s] {json.dumps(r)[:400]}", flush=True)
         return r
 
-    def throughput(size: str, share: float) -> None:
+    def throughput(size: str, seconds: float) -> None:
         if deadline - time.time() < 20:
+            results["not_run"].append(f"throughput {size}")
             return
-        r = run({"kind": "throughput", "size": size, "peers": list(PEERS), "batch": args.batch,
-                 "warmup": args.warmup, "steps": args.steps}, share,
+        r = run({"kind": "throughput", "size": size, "peers": list(PEERS), "batch": s["batch"],
+                 "warmup": args.warmup, "steps": s["steps"]}, seconds,
                 checkpoint=gpt_config(size).n_params > CHECKPOINT_ABOVE)
         r["ratios"] = ratios(r.get("peers", {}))
         results["throughput"].append(r)
         save()
 
     def cap_search(mode: str) -> None:
-        host = psutil.virtual_memory().total
         tried = results["cap"].setdefault(mode, {"tried": [], "largest": None})
-        for size in cap_sizes:
-            n = gpt_config(size, **cfg_kw).n_params
-            if device.type == "cuda":
-                if mode == "gpu" and 16 * n > args.cap_gib * GIB:
-                    tried["tried"].append({"size": size, "skipped": "16 B/param exceed the cap"})
-                    continue
-                if mode == "offload" and 16 * n > host:
-                    tried["tried"].append({"size": size, "skipped": "16 B/param exceed host RAM"})
-                    continue
+        for size in s["cap_sizes"]:
+            cfg = gpt_config(size, **cfg_kw, checkpoint=True)
+            why = cannot_fit(mode, cfg, device, args.cap_gib, engine,
+                             psutil.virtual_memory().available)
+            if why:
+                tried["tried"].append({"size": size, "skipped": why})
+                continue
             if deadline - time.time() < 20:
+                results["not_run"].append(f"cap {mode} {size}")
                 break
             r = run({"kind": "cap", "mode": mode, "size": size, "batch": 1,
-                     "cap_gib": args.cap_gib}, 0.25, checkpoint=True)
+                     "cap_gib": args.cap_gib}, args.cap_share * args.budget_s, checkpoint=True)
             r["size"] = size
             tried["tried"].append(r)
             if r.get("ok"):
@@ -349,20 +471,24 @@ def main(argv: list[str] | None = None) -> int:
                 break
         save()
 
-    throughput(sizes[0], 0.3)
+    sizes = s["sizes"]
+    throughput(sizes[0], 0.25 * args.budget_s)
     cap_search("gpu")
     cap_search("offload")
-    for size in sizes[1:]:
-        throughput(size, 0.6)
+    for i, size in enumerate(sizes[1:]):  # the rest of the budget, shared equally
+        throughput(size, (deadline - time.time()) / (len(sizes) - 1 - i))
     gpu, off = (results["cap"].get(m, {}).get("largest") for m in ("gpu", "offload"))
     if gpu and off:
         results["cap"]["ratio"] = off["n_params"] / gpu["n_params"]
     results["wall_s"] = time.time() - start
+    results["failures"] = failed = failures(results)
     save()
     print(markdown(results))
     for r in results["throughput"]:
         print(r["job"]["size"], {k: round(v, 3) for k, v in r["ratios"].items()})
-    return 0
+    for line in failed:
+        print(f"gpu_e2e: FAILED {line}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -126,3 +126,29 @@ def test_moments_convergence_table_has_the_peers_beside_the_engine(tmp_path: Pat
     # the first 7 steps (compilation: most of the run) are left out: 300 ms, 1.5x fp32's
     assert rows["torchao-adamw8bit"][5] == "300.0" and rows["torchao-adamw8bit"][6] == "1.500 |"
     assert rows["torch-adamw"][6] == "0.500 |"
+
+
+def test_gpu_e2e_failures_name_each_job_without_figures() -> None:
+    """The device check's verdict: an error or a missing figure fails, naming the job; an
+    out-of-memory (that size does not fit) and a size the planner ruled out are figures."""
+    sys.path.insert(0, str(BENCH))
+    from gpu_e2e import FIGURES, failures
+
+    good = {f: 1.0 for f in FIGURES}
+    ours = {**good, "profile_mean_s": {"cpu_step": 0.1}}
+    peers = {"torch_bf16_master": good, "torch_autocast": {"error": "OOM", "does_not_fit": True},
+             "zero_offload": ours, "zero_offload_dpu": ours}
+    res = {"environment": {"device": "cpu"},
+           "throughput": [{"job": {"size": "tiny", "peers": list(peers)}, "peers": peers}],
+           "cap": {m: {"tried": [{"size": "13b", "skipped": "planner"},
+                                 {"size": "small", "ok": True}], "largest": {"size": "small"}}
+                   for m in ("gpu", "offload")}}
+    assert failures(res) == []
+    peers["zero_offload"] = {"error": "ValueError: cpu_threads must be an int >= 1 or None"}
+    peers["zero_offload_dpu"] = good  # no profile
+    res["cap"]["offload"] = {"tried": [{"size": "small", "ok": False, "error": "timeout"}],
+                             "largest": None}
+    assert failures(res) == [
+        "throughput tiny zero_offload: ValueError: cpu_threads must be an int >= 1 or None",
+        "throughput tiny zero_offload_dpu: came back without ['profile_mean_s']",
+        "cap offload small: timeout", "cap offload: no size trained under the cap"]
