@@ -42,10 +42,22 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return device
 
 
+_warned_unpinned = False  # once per process
+
+
 def resolve_pinned(pin_memory: bool | None, device: torch.device) -> bool:
     """Pinned host staging: by default exactly when the compute device is a GPU."""
+    global _warned_unpinned
     if pin_memory and device.type != "cuda":
         raise ValueError("ZeroOffload: pin_memory=True needs a CUDA compute device")
+    if pin_memory is False and device.type == "cuda" and not _warned_unpinned:
+        _warned_unpinned = True
+        warnings.warn(
+            "ZeroOffload: pin_memory=False on CUDA makes every gradient and weight copy "
+            "synchronous (pageable host memory): backward and the next forward wait for each "
+            "transfer instead of overlapping it, and copies run at a fraction of the PCIe "
+            "bandwidth; leave pin_memory at its default unless pinned memory cannot be had",
+            stacklevel=3)
     return device.type == "cuda" if pin_memory is None else pin_memory
 
 

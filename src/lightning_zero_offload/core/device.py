@@ -101,8 +101,16 @@ class SyncDevice:
     def stream_waits_compute(self, stream: object) -> None:
         pass
 
+    def stream_waits(self, stream: object, event: Event) -> None:
+        """Work queued on ``stream`` from now on runs after ``event`` (another side stream's:
+        the copy after the reduce-scatter), without blocking the host."""
+
     def compute_waits(self, stream: object) -> None:
         pass
+
+    def compute_waits_event(self, event: Event) -> None:
+        """Compute work from the next compute point on runs after ``event`` (a bucket buffer
+        reused once the copy that read it is done), without blocking the host on a GPU."""
 
     def compute_point(self) -> None:
         pass
@@ -140,7 +148,8 @@ class SyncDevice:
 
 class _CudaEvent(Event):
     def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.e = torch.cuda.Event(enable_timing=True)
+        # blocking: a host wait sleeps instead of spinning against the CPU step's threads
+        self.e = torch.cuda.Event(enable_timing=True, blocking=True)
         self.e.record(stream)
 
     def wait(self) -> None:
@@ -154,12 +163,16 @@ class _CudaEvent(Event):
 
 
 class CudaDevice(SyncDevice):
-    """A thin mapping onto CUDA streams and events; the compute stream is the current one."""
+    """A thin mapping onto CUDA streams and events; the compute stream is the one current when
+    compute work is queued (a forward under the user's own ``torch.cuda.stream(s)`` included)."""
 
     asynchronous = True
 
     def __init__(self, device: torch.device, process_group: Any = None) -> None:
         super().__init__(device, process_group)
+        # What compute work must wait for (the weights' copies): each stream current at a compute
+        # point waits once for the latest of them, not only the stream current at step().
+        self._waits: dict[int, tuple[Any, set[int]]] = {}  # side stream -> event, waiters
         self._tasks = ThreadPoolExecutor(1, thread_name_prefix="lzo-host-task",
                                          initializer=torch.cuda.set_device, initargs=(device,))
 
@@ -183,8 +196,24 @@ class CudaDevice(SyncDevice):
     def stream_waits_compute(self, stream: object) -> None:
         stream.wait_stream(self._compute())  # type: ignore[attr-defined]
 
+    def stream_waits(self, stream: object, event: Event) -> None:
+        stream.wait_event(event.e)  # type: ignore[attr-defined]
+
     def compute_waits(self, stream: object) -> None:
-        self._compute().wait_stream(stream)  # type: ignore[arg-type]
+        e = torch.cuda.Event()
+        e.record(stream)  # type: ignore[arg-type]
+        self._waits[stream.cuda_stream] = (e, set())  # type: ignore[attr-defined]
+        self.compute_point()
+
+    def compute_waits_event(self, event: Event) -> None:
+        self._compute().wait_event(event.e)  # type: ignore[attr-defined]
+
+    def compute_point(self) -> None:
+        current = self._compute()
+        for e, waited in self._waits.values():
+            if current.cuda_stream not in waited:  # the raw handle: wrappers are not unique
+                current.wait_event(e)
+                waited.add(current.cuda_stream)
 
     def host_task(self, fn: Callable[[], object]) -> Future:
         return self._tasks.submit(fn)

@@ -137,6 +137,14 @@ class EmulatedDevice(SyncDevice):
     def compute_waits(self, stream: object) -> None:
         self._compute_waits.append(self.record(stream))
 
+    def stream_waits(self, stream: object, event: Event) -> None:
+        stream.put(event.wait)  # type: ignore[attr-defined]  # the queue stops until it passed
+
+    def compute_waits_event(self, event: Event) -> None:
+        # The compute stream is this thread, and its next work (backward writing a reused
+        # bucket buffer) follows at once: the wait is here.
+        event.wait()
+
     def compute_point(self) -> None:
         waits, self._compute_waits = self._compute_waits, []
         for e in waits:

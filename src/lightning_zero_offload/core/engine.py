@@ -342,9 +342,9 @@ class ZeroOffload:
             self._weights.restore(self._state.gather_full(self._host.master),
                                   torch.device(device) if device is not None else None)
         self._weights.free()
-        self._dev.close()
         self._closed = True
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
         if not self._readable:  # a kept state still gathers over the engine's group
             self._host.free()
             self._release_group()
+        self._dev.close()  # after the host buffers: it empties the pinned-memory cache

@@ -11,13 +11,11 @@ asynchronous device (CUDA, or the emulated one in tests) the reduction and the c
 stream into the bucket's staging slice, in the compute dtype. A bucket flushed once per step stays
 there and the step's kernel reads it directly; when micro-batches accumulate, the previous flush
 is moved into the fp32 gradient by a host task off the autograd thread (it waits for that copy,
-adds, then queues the next one), so backward never waits on the host. At most
-``MAX_IN_FLIGHT`` buckets' device buffers are alive at once: a new bucket waits for the oldest.
+adds, then queues the next one). Bucket buffers: a fixed ring (``core.ring``).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
@@ -31,6 +29,7 @@ from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import ALIGN, Layout, Slot
 from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.ring import BucketRing
 
 
 def _sq_sum(shard: Tensor) -> Tensor:
@@ -88,10 +87,12 @@ class GradStreamer:
         self.stats: list[Tensor] = []  # device sum of squares of every flushed shard
         self._direct = not dev.asynchronous and self.world_size == 1
         self._stream = dev.side_stream("d2h") if dev.asynchronous else None
+        self._reduce = (dev.side_stream("reduce") if dev.asynchronous and self.world_size > 1
+                        else self._stream)
+        self._ring = BucketRing(dev, max((bk.numel for bk in layout.buckets), default=0), dtype)
         self._pending: list[Event | None] = [None] * nb  # latest copy into staging
         self._tasks: list = [None] * nb  # host task moving the previous flush to fp32
         self._moved = [0] * nb  # flushes moved into the fp32 gradient since zero_grad
-        self._in_flight: collections.deque[Callable[[], object]] = collections.deque()
         self._sources: list[Tensor] | None = None
         self._handles = [
             s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
@@ -180,9 +181,9 @@ class GradStreamer:
         numel = self.layout.buckets[b].numel
         if self._direct and self.flushes[b] == 0:
             return self.host.grads.grad(b)
-        while len(self._in_flight) >= MAX_IN_FLIGHT:
-            self._in_flight.popleft()()  # the oldest bucket's device memory is released
-        return self.dev.empty(numel, self.dtype)
+        if not self.dev.asynchronous:
+            return self.dev.empty(numel, self.dtype)
+        return self._ring.take(b, numel)
 
     def end_backward(self) -> None:
         """Flush every bucket not flushed yet, in order, with the gradients that did arrive
@@ -211,6 +212,7 @@ class GradStreamer:
             if self.flushes[b] == 0:  # nothing of an earlier backward in it either
                 for i in self.layout.buckets[b].slots:
                     self.had_grad[i] = False
+        self._ring.dropped()
         self._bufs = [None] * len(self._bufs)
         self._written = [set() for _ in self._bufs]
         self._end_pass()
@@ -258,35 +260,39 @@ class GradStreamer:
         self.profile.add("grad_transfer", self.profile_step, t0, self.profile.now())
 
     def _flush_async(self, b: int, buf: Tensor, first: bool) -> None:
-        dev, stream, step = self.dev, self._stream, self.profile_step
+        dev, stream, reducing, step = self.dev, self._stream, self._reduce, self.profile_step
+        ring = self._ring.owns(b)
         shard = self._shard_of(b, buf)
         stat = torch.full((), float("nan"), device=dev.device)
         # After the allocations: backward wrote the bucket (and the allocator's previous users
         # of this memory ran) on the compute stream.
-        dev.stream_waits_compute(stream)
-        begin = (self.profile.now(), dev.record(stream))
+        dev.stream_waits_compute(reducing)
+        begin = (self.profile.now(), dev.record(reducing))
 
         def reduce(group: object) -> None:
             if shard is not buf:
                 collectives.reduce_scatter(shard, buf, group)
             stat.copy_(_sq_sum(shard))
-        dev.collective(stream, reduce)
-        if shard is not buf:
-            dev.release(buf, stream)
+        dev.collective(reducing, reduce)
+        if shard is not buf:  # several ranks, on a stream of their own: the copy waits for it
+            reduced = dev.record(reducing)  # the last read of the bucket
+            dev.stream_waits(stream, reduced)
+            self._ring.flushed(b, lambda: reduced) if ring else dev.release(buf, reducing)
         self.stats.append(stat)
         gset = self.host.grads
 
         def copy_in() -> Event:
             stage = gset.stage(b)
             dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
-            dev.release(shard, stream)
+            if shard is not buf or not ring:  # not a ring buffer
+                dev.release(shard, stream)
             end = self._pending[b] = dev.record(stream)
             self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
             return end
 
         if first:
             end = copy_in()
-            self._in_flight.append(end.wait)
+            self._ring.flushed(b, lambda: end)
             return
         # A later flush: the previous one leaves staging for the fp32 gradient first, on a host
         # task (waiting for its copy and adding on the autograd thread would starve the device).
@@ -305,7 +311,7 @@ class GradStreamer:
             dev.handed_back(stage)
             return copy_in()
         task = self._tasks[b] = dev.host_task(move_then_copy)
-        self._in_flight.append(lambda: task.result().wait())
+        self._ring.flushed(b, task.result)  # reuse waits until the task queued the copy
 
     # -- step side -----------------------------------------------------------------------------
     def will_accumulate(self) -> bool:
@@ -321,7 +327,6 @@ class GradStreamer:
             pending, self._pending[b] = self._pending[b], None
             if pending is not None:
                 pending.wait()
-        self._in_flight.clear()
 
     def finish(self) -> bool:
         """Make the gradients complete for a step. Gradients left on the device by ``no_sync``
@@ -373,7 +378,8 @@ class GradStreamer:
         return torch.stack(self.stats).sum()
 
     def reset(self) -> None:
-        """``zero_grad``: the next flush of each bucket overwrites instead of adding."""
+        """``zero_grad``, after the transfers in flight: the next flushes overwrite, not add."""
+        self.drain()
         self.flushes = [0] * len(self.flushes)
         self.had_grad = [False] * len(self.had_grad)
         self._moved = [0] * len(self._moved)
@@ -387,6 +393,8 @@ class GradStreamer:
             h.remove()
         self._handles = []
         self.drain()
+        self._ring.close()
+        self._sources = None  # staging views: the pinned blocks must be free at teardown
 
 
 __all__ = ["ALIGN", "GradStreamer", "MAX_IN_FLIGHT"]

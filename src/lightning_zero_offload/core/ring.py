@@ -1,0 +1,65 @@
+"""The gradient streamer's fixed ring of device bucket buffers.
+
+Backward fills a bucket's buffer while the side streams reduce and copy earlier ones. A buffer
+is reused once the copy that last read it is done, and that wait is the compute stream's, not
+the host's (:meth:`SyncDevice.compute_waits_event`): backward never blocks on a transfer. Only
+when the copy is queued by a host task (an accumulating flush: the previous one leaves staging
+first) does reuse wait for that task to have queued it. :data:`BUCKET_BUFFERS` buffers of the
+largest bucket's size: the device memory the planner counts. A bucket whose gradients arrive
+while every buffer is being filled gets a buffer of its own (released on the copy's stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.limits import BUCKET_BUFFERS
+
+
+class BucketRing:
+    def __init__(self, dev: SyncDevice, numel: int, dtype: torch.dtype) -> None:
+        self.dev, self.numel, self.dtype = dev, numel, dtype
+        self._bufs: list[Tensor | None] = [None] * BUCKET_BUFFERS
+        self._last: list[Callable[[], Event] | None] = [None] * BUCKET_BUFFERS  # its last use
+        self._filling: dict[int, int] = {}  # bucket -> the slot it fills
+        self._next = 0
+
+    def take(self, b: int, numel: int) -> Tensor:
+        """A buffer of ``numel`` elements for bucket ``b`` (contents undefined): a ring slot, or
+        when every slot is being filled, one of its own (:meth:`owns` is False for it)."""
+        n, busy = len(self._bufs), set(self._filling.values())
+        free = [i for i in ((self._next + k) % n for k in range(n)) if i not in busy]
+        if not free:
+            return self.dev.empty(numel, self.dtype)
+        i = self._filling[b] = free[0]
+        self._next = (i + 1) % n
+        last, self._last[i] = self._last[i], None
+        if last is not None:
+            self.dev.compute_waits_event(last())  # the copy that read it is done first
+        buf = self._bufs[i]
+        if buf is None:
+            buf = self._bufs[i] = self.dev.empty(self.numel, self.dtype)
+        return buf[:numel]
+
+    def owns(self, b: int) -> bool:
+        """Whether bucket ``b``'s buffer is a ring slot (else release it on its stream)."""
+        return b in self._filling
+
+    def flushed(self, b: int, last_use: Callable[[], Event]) -> None:
+        """Bucket ``b``'s buffer is handed to the side streams; ``last_use()`` is the event after
+        the last work that reads it."""
+        i = self._filling.pop(b, None)
+        if i is not None:
+            self._last[i] = last_use
+
+    def dropped(self) -> None:
+        """A failed backward: its partial buckets' slots are free again (nothing read them)."""
+        self._filling = {}
+
+    def close(self) -> None:
+        self._bufs, self._last, self._filling = [None] * len(self._bufs), [None] * len(
+            self._bufs), {}
