@@ -89,6 +89,10 @@ def test_zero_grad_without_step_equals_skipping_the_batch(micro: int) -> None:
     assert len(made) == 1
     _backward(engine, *bad, micro=micro)
     engine.zero_grad()  # no step(): the transfers of the bad batch are still in flight
+    # ... and are done now: nothing in flight may still write what zero_grad dropped (on CUDA
+    # the 0-d statistics go back to the allocator) or read staging the next flush overwrites
+    assert all(s.idle for s in made[0]._streams)  # type: ignore[attr-defined]
+    assert all(t is None or t.done() for t in engine._streamer._tasks)
     _backward(engine, *good, micro=micro)
     engine.step()
     _assert_same(_result(engine), want)
