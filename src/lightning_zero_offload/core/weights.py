@@ -70,6 +70,8 @@ class DeviceWeights:
             module.to(device=device, dtype=dtype)
         self.spare = [w.clone() for w in self.live] if delayed else None
         self._stream = dev.side_stream("h2d") if dev.asynchronous else None
+        for w in [*self.live, *(self.spare or [])]:
+            dev.track(w, "device weights")  # for the emulated device's race detector
         self._last: Event | None = None  # end of the last push: its copies have read the host
 
     @property
