@@ -131,7 +131,7 @@ class _EmuStream:
             raise self.error
 
     def close(self) -> None:
-        self._q.put((None, 0.0))
+        self._q.put((None, 0.0, None))
         self._thread.join(timeout=30)
 
     @property

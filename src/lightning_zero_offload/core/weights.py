@@ -254,3 +254,6 @@ class WeightPush:
     def abandon(self) -> None:
         """After a failure: the push is dropped (its span too); it can no longer finish."""
         self._begin, self._closed = None, True
+        w = self.weights
+        if w._stream is not None:  # copies already queued still write the target: wait for them
+            w.dev.compute_waits(w._stream)
