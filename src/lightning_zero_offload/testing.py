@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.device import SyncDevice, register_test_device
+from lightning_zero_offload.core.device import (
+    WAIT_KINDS,
+    SyncDevice,
+    check_skip_waits,
+    register_test_device,
+)
 from lightning_zero_offload.core.emulated import EmulatedDevice
+from lightning_zero_offload.core.races import StreamOrderError
 
-__all__ = ["EmulatedDevice", "emulated_async_device"]
+__all__ = ["WAIT_KINDS", "EmulatedDevice", "StreamOrderError", "emulated_async_device"]
 
 _active: dict | None = None  # the innermost emulated_async_device block
 
@@ -28,13 +34,21 @@ def _choose(device: torch.device, process_group: Any, timeout_s: float | None
     if _active is not None:
         emu = EmulatedDevice(device, process_group, seed=_active["seed"],
                              max_delay_ms=_active["max_delay_ms"], timeout_s=timeout_s,
-                             stream_delay_ms=_active["stream_delay_ms"])
+                             stream_delay_ms=_active["stream_delay_ms"],
+                             race_detector=_active["race_detector"],
+                             skip_waits=_active["skip_waits"])
         _active["made"].append(emu)
         return emu
     seed = os.environ.get("LZO_EMULATED_DEVICE_SEED")
     if seed:  # a whole test suite on the emulated device
-        return EmulatedDevice(device, process_group, seed=int(seed), timeout_s=timeout_s)
+        return EmulatedDevice(device, process_group, seed=int(seed), timeout_s=timeout_s,
+                              race_detector=_detector_default())
     return None
+
+
+def _detector_default() -> bool:
+    """On unless ``LZO_RACE_DETECTOR=0`` (to time the emulation without it)."""
+    return os.environ.get("LZO_RACE_DETECTOR", "1").strip().lower() not in ("0", "false", "no")
 
 
 register_test_device(_choose)
@@ -42,7 +56,9 @@ register_test_device(_choose)
 
 @contextlib.contextmanager
 def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
-                          stream_delay_ms: dict[str, float] | None = None) -> Iterator[list]:
+                          stream_delay_ms: dict[str, float] | None = None,
+                          race_detector: bool | None = None,
+                          skip_waits: Iterable[str] = ()) -> Iterator[list]:
     """Engines created on the CPU inside the block run their device-to-host gradient copies,
     reduce-scatters, host-to-device weight copies and all-gathers on emulated side streams:
     worker threads that run their queues in order after seeded random delays of up to
@@ -56,13 +72,21 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     The environment variable ``LZO_EMULATED_DEVICE_SEED=N`` does the same for every CPU engine
     of a process (e.g. a whole test run: ``LZO_EMULATED_DEVICE_SEED=1 pytest tests/``).
 
-    What it cannot catch: the compute stream is the main thread itself, so a side stream that
-    does not wait for the compute stream before reading what it wrote only fails on a GPU.
+    The race detector (``race_detector``, default on unless ``LZO_RACE_DETECTOR=0``) records the
+    block's torch ops on this thread as the compute stream's and each side stream's work as that
+    stream's, and raises :class:`StreamOrderError` at an access that no wait orders after another
+    stream's conflicting one: this catches what the results cannot show, e.g. a side stream that
+    reads what the compute stream wrote without ``stream_waits_compute`` (on the CPU the compute
+    stream is always finished). ``skip_waits`` drops every wait of the named kinds
+    (``WAIT_KINDS``), for mutation tests; an unknown name is a ValueError.
     """
     global _active
+    skip = check_skip_waits(skip_waits)
+    detector = _detector_default() if race_detector is None else race_detector
     previous, made = _active, []
     _active = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made,
-               "stream_delay_ms": stream_delay_ms}
+               "stream_delay_ms": stream_delay_ms, "race_detector": detector,
+               "skip_waits": skip}
     try:
         yield made
     finally:

@@ -24,9 +24,13 @@ The ordering rules the engine must follow, and which of them the emulation check
    end of ``step()``) until the stream has drained up to the wait, and not earlier, as a GPU's
    compute stream would.
 3. A side stream that reads what the compute stream wrote (a bucket after backward, weights that
-   backward still reads) is preceded by :meth:`stream_waits_compute`. **Not checked**: the
-   emulated compute stream is the main thread itself and is always finished when the host moves
-   on, so a missing wait of this kind only shows on a GPU.
+   backward still reads) is preceded by :meth:`stream_waits_compute`. Checked by the race
+   detector (``core.races``, on by default on the emulated device): the main thread's torch ops
+   are recorded with a ``TorchDispatchMode`` as the compute stream's, each side stream's items as
+   that stream's, with vector clocks of what each stream and the host waited for; an access to a
+   registered buffer (bucket, staging slice, device weights, 0-d statistic) that no wait orders
+   after another stream's conflicting one raises ``testing.StreamOrderError`` naming both
+   streams, the buffer's role and the rule (it re-checks rules 1, 2 and 4 the same way).
 4. A device buffer handed to a side stream is released with :meth:`release` on that stream
    (CUDA's ``record_stream``), never dropped while the stream may still use it. Checked: the
    emulation poisons the buffer at that point of the stream and then hands it out again.
@@ -52,6 +56,28 @@ from torch import Tensor
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 
 POOL_SIZE = BUCKET_BUFFERS  # released bucket buffers kept for reuse (what the budget counts)
+
+# The waits a mutation test may drop on the emulated device (``testing.emulated_async_device(
+# skip_waits=...)``), named after the methods that queue them; ``:d2h``/``:h2d`` name one stream.
+WAIT_KINDS = (
+    "stream_waits_compute",  # rule 3, every side stream
+    "stream_waits_compute:d2h",  # rule 3, the gradient (device-to-host) stream only
+    "stream_waits_compute:h2d",  # rule 3, the weight (host-to-device) stream only
+    "compute_waits",  # rule 2
+    "event_wait",  # rule 1: host waits (Event.wait)
+    "release",  # rule 4: the buffer goes back at once, not at the stream's point
+    "synchronize",  # the whole-device waits (end of a step's drain, state_dict, close)
+)
+
+
+def check_skip_waits(skip: object) -> frozenset[str]:
+    """``skip`` as a set of wait kinds; an unknown name is a ValueError listing the valid ones."""
+    names = frozenset([skip] if isinstance(skip, str) else skip or ())  # type: ignore[arg-type]
+    unknown = sorted(names - set(WAIT_KINDS))
+    if unknown:
+        raise ValueError(f"skip_waits: unknown wait kind(s) {unknown}; the valid ones are "
+                         f"{list(WAIT_KINDS)}")
+    return names
 
 
 class Event:
@@ -88,6 +114,10 @@ class SyncDevice:
 
     def side_stream(self, name: str) -> object:
         return None
+
+    def track(self, t: Tensor, role: str) -> None:
+        """Name the device buffer ``t`` (e.g. "device weights") for the emulated device's race
+        detector; nothing elsewhere."""
 
     def run(self, stream: object, fn: Callable[[], object]) -> None:
         fn()

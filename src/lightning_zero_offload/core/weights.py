@@ -70,6 +70,8 @@ class DeviceWeights:
             module.to(device=device, dtype=dtype)
         self.spare = [w.clone() for w in self.live] if delayed else None
         self._stream = dev.side_stream("h2d") if dev.asynchronous else None
+        for w in [*self.live, *(self.spare or [])]:
+            dev.track(w, "device weights")  # for the emulated device's race detector
         self._last: Event | None = None  # end of the last push: its copies have read the host
 
     @property
@@ -252,3 +254,6 @@ class WeightPush:
     def abandon(self) -> None:
         """After a failure: the push is dropped (its span too); it can no longer finish."""
         self._begin, self._closed = None, True
+        w = self.weights
+        if w._stream is not None:  # copies already queued still write the target: wait for them
+            w.dev.compute_waits(w._stream)
