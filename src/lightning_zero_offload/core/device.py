@@ -64,6 +64,8 @@ WAIT_KINDS = (
     "stream_waits_compute:d2h",  # rule 3, the gradient (device-to-host) stream only
     "stream_waits_compute:h2d",  # rule 3, the weight (host-to-device) stream only
     "compute_waits",  # rule 2
+    "stream_waits",  # a side stream waits for another's event (the copy after the reduce)
+    "compute_waits_event",  # compute waits for a bucket buffer's last use before reusing it
     "event_wait",  # rule 1: host waits (Event.wait)
     "release",  # rule 4: the buffer goes back at once, not at the stream's point
     "synchronize",  # the whole-device waits (end of a step's drain, state_dict, close)

@@ -206,12 +206,18 @@ class EmulatedDevice(SyncDevice):
             self.detector.merge((COMPUTE,), event.clock)  # type: ignore[attr-defined]
 
     def stream_waits(self, stream: object, event: Event) -> None:
-        stream.put(event.wait)  # type: ignore[attr-defined]  # the queue stops until it passed
+        if "stream_waits" in self.skip:
+            return
+        if self.detector is not None:  # what ``stream`` runs from now on is after the event
+            stream.waits_for(event.clock)  # type: ignore[attr-defined]
+        other, index = event.stream, event.index  # type: ignore[attr-defined]
+        stream.put(lambda: other.wait_for(index), True)  # type: ignore[attr-defined]
 
     def compute_waits_event(self, event: Event) -> None:
         # The compute stream is this thread, and its next work (backward writing a reused
         # bucket buffer) follows at once: the wait is here.
-        event.wait()
+        if "compute_waits_event" not in self.skip:
+            event.wait()
 
     def compute_point(self) -> None:
         waits, self._compute_waits = self._compute_waits, []
