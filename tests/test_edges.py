@@ -195,7 +195,7 @@ def test_a_save_into_a_read_only_folder_names_the_users_path_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
-# -- 5./6. Lightning: grad_norm after fit, the two-optimizer message --------------------------------
+# -- 5./6. Lightning: grad_norm after fit, the two-optimizer message -------------------------------
 
 
 class _Net:
