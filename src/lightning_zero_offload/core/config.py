@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero_offload.core.delayed import check_cores
+from lightning_zero_offload.core.scaler import MIN_SCALE
 from lightning_zero_offload.ops.moments import MOMENT_DTYPES
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -111,6 +112,13 @@ class ZeroOffloadConfig:
             fail("delayed_update_warmup", "an int >= 0", ValueError)
         if number("initial_loss_scale") and not 0 < self.initial_loss_scale < math.inf:
             fail("initial_loss_scale", "a finite number > 0", ValueError)
+        if self.initial_loss_scale < MIN_SCALE:  # the scaled fp16 gradients would underflow
+            raise ValueError(
+                f"ZeroOffloadConfig: initial_loss_scale={self.initial_loss_scale!r} is below the "
+                f"loss scaler's floor {MIN_SCALE!r} (2**-24): under precision='16-mixed' the "
+                "scaled gradients underflow to zero in fp16 (a step on zero gradients, or NaN "
+                "weights from 1/scale). Use the default 2**16 (the scaler lowers it by itself "
+                "on overflow), or precision='bf16-mixed', which needs no loss scaling")
         if number("loss_scale_growth_interval", integer=True) and (
                 self.loss_scale_growth_interval < 1):
             fail("loss_scale_growth_interval", "an int >= 1", ValueError)

@@ -202,12 +202,12 @@ class ZeroOffload:
                 collectives.report_failure(self.rank, e)
             raise
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:  # False: keep zero grads, as torch
         self._check_open()
-        self._streamer.reset()
+        self._streamer.reset(set_to_none)
 
     def _zero_grad_with_module(self, set_to_none: bool = True) -> None:
-        self.zero_grad()
+        self.zero_grad(set_to_none)
         nn.Module.zero_grad(self.module, set_to_none)
 
     def synchronize(self) -> None:

@@ -51,7 +51,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        self.engine.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()

@@ -81,6 +81,9 @@ class GradStreamer:
         # Per parameter: a gradient arrived since zero_grad (the step skips the others, as torch's
         # AdamW skips parameters whose grad is None).
         self.had_grad = [False] * len(layout.slots)
+        # zero_grad(set_to_none=False) after a backward: the parameters keep a zero gradient, so
+        # a step without a backward still steps them (as torch's AdamW steps zeroed grads)
+        self.zeroed = False
         self._next = 0
         self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
@@ -336,7 +339,7 @@ class GradStreamer:
             self._in_backward = True  # an accumulating flush allocates the fp32 gradient
         self.end_backward()
         self.drain()
-        return any(self.flushes)
+        return any(self.flushes) or self.zeroed
 
     def fold_last_flush(self) -> list[Tensor]:
         """Per bucket, this rank's gradient shard for the kernel (after ``finish``): the staging
@@ -377,11 +380,14 @@ class GradStreamer:
             return None
         return torch.stack(self.stats).sum()
 
-    def reset(self) -> None:
-        """``zero_grad``, after the transfers in flight: the next flushes overwrite, not add."""
+    def reset(self, set_to_none: bool = True) -> None:
+        """``zero_grad``, after the transfers in flight: the next flushes overwrite, not add.
+        ``set_to_none=False`` keeps which parameters have a (now zero) gradient, as torch does."""
         self.drain()
+        self.zeroed = not set_to_none and (self.zeroed or any(self.flushes))
         self.flushes = [0] * len(self.flushes)
-        self.had_grad = [False] * len(self.had_grad)
+        if set_to_none:
+            self.had_grad = [False] * len(self.had_grad)
         self._moved = [0] * len(self._moved)
         self.stats = []
         self._sources = None

@@ -72,7 +72,12 @@ def single_optimizer(optimizers: Sequence[Optimizer]) -> Optimizer:
     if len(optimizers) != 1:
         raise ValueError(
             f"ZeroOffloadStrategy needs exactly one optimizer (torch.optim.AdamW or Adam) from "
-            f"configure_optimizers, got {len(optimizers)}"
+            f"configure_optimizers, got {len(optimizers)}: one engine keeps one optimizer's state "
+            "(fp32 master weights and moments) on the host, and its CPU step is one fused AdamW "
+            "over those parameters. For a module with several optimizers (a GAN's generator and "
+            "discriminator) use strategy=\"auto\" (or another strategy) for that module; if the "
+            "optimizers differ only in hyperparameters (lr, betas, weight_decay) and step "
+            "together, return one AdamW with a parameter group for each"
         )
     return optimizers[0]
 

@@ -162,8 +162,7 @@ class _EngineDriver:
 
     def _teardown(self) -> None:
         self.engine = None
-        self._norm_known = False
-        self.grad_norm = None
+        self._norm_known = False  # grad_norm stays: the last step's norm, read after fit()
 
 
 def _default_device_type() -> str:

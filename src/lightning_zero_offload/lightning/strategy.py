@@ -130,7 +130,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @property
     def grad_norm(self) -> Tensor | None:
-        """The last pre-clip global gradient norm over all ranks; ``None`` before a step."""
+        """The last pre-clip global gradient norm over all ranks (kept after ``fit()``);
+        ``None`` before a step."""
         return self.precision_plugin.grad_norm
 
     # -- setup / teardown ----------------------------------------------------------------------

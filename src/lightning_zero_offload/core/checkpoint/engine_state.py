@@ -191,8 +191,12 @@ class EngineState:
     def save(self, path: str | os.PathLike, *, sharded: bool,
              extra: dict[str, dict] | None = None) -> None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
-        rank, and a failed save leaves nothing behind."""
+        rank, and a failed save leaves nothing behind; an OS error names ``path``."""
         path = files.check_name(path)
+        with files.writing(path):
+            self._save(path, sharded, extra)
+
+    def _save(self, path: Path, sharded: bool, extra: dict[str, dict] | None) -> None:
         on_zero = self.rank == 0
         if not sharded:
             self._agree(agreement.capture(lambda: files.check_file_target(path))

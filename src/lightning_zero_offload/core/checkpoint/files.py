@@ -13,6 +13,7 @@ leftovers named as above whose process is gone are ever removed. What the files 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -23,7 +24,7 @@ import shutil
 import socket
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from lightning_zero_offload.core.checkpoint.formats import (
 
 MANIFEST = "zero_offload.json"  # marks (and completes) a checkpoint folder of this library
 CHECKSUM_KEY = "zero_offload_checksum"
+_SAVE_ERROR = "cannot save the checkpoint to"
 
 
 # -- checksums ------------------------------------------------------------------------------------
@@ -181,12 +183,33 @@ def check_file_target(path: Path) -> None:
                               "replace it (use another name, or sharded=True for a folder)")
 
 
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """An OS error of a save names the user's ``path`` and the reason, not the temporary name
+    it happened on (that stays in the chained cause); the error's type is kept."""
+    try:
+        yield
+    except OSError as e:
+        if _SAVE_ERROR in str(e) and isinstance(e.__cause__, OSError):
+            e = e.__cause__  # an inner save's (a shard in the temporary folder): name ``path``
+        message = f"{_SAVE_ERROR} {str(path)!r}: {e.strerror or e}"
+        raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
+
+
 def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
     """``torch.save`` of ``obj`` plus its checksum to a per-process temporary name in the same
-    folder, fsync, then rename over ``path``: a crash leaves the old file or the new one."""
+    folder (created with its parents if missing, as a sharded save's is), fsync, then rename over
+    ``path``: a crash leaves the old file or the new one."""
     path = check_name(path)
     check_file_target(path)
     tmp = temp_path(path, "tmp", new_token())
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(obj, path, tmp)
+    clean_leftovers(path)
+
+
+def _write(obj: Mapping, path: Path, tmp: Path) -> None:
     try:
         with open(tmp, "wb") as f:
             torch.save({**obj, CHECKSUM_KEY: checksum(obj)}, f)
@@ -196,7 +219,6 @@ def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
         _fsync_dir(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
-    clean_leftovers(path)
 
 
 def _unsafe_types(e: BaseException) -> bool:

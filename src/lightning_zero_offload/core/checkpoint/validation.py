@@ -71,19 +71,21 @@ def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
 def _check_module(shard: dict, expected: Mapping[str, tuple[str | None, tuple]]) -> None:
     params = {name: tuple(shape) for name, _, _, _, _, shape in shard["layout"]["params"]}
     extra = shard["module_extra"]
-    for key, (trained, shape) in expected.items():
-        saved = params.get(trained) if trained is not None else (
-            tuple(extra[key].shape) if key in extra else None)
-        if saved is None:
-            raise CheckpointError(f"the checkpoint has no entry for {key!r}: it was written for "
-                                  "a different model")
-        if saved != tuple(shape):
-            raise CheckpointError(f"{key!r} has shape {saved} in the checkpoint, the module has "
-                                  f"{tuple(shape)}: it was written for a different model")
-    unexpected = sorted(set(extra) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"the checkpoint holds {unexpected[:5]}, which the module lacks: "
-                              "it was written for a different model")
+    saved_of = {key: params.get(trained) if trained is not None else (
+        tuple(extra[key].shape) if key in extra else None)
+        for key, (trained, _) in expected.items()}
+    missing = sorted(key for key, shape in saved_of.items() if shape is None)
+    held = {trained for trained, _ in expected.values() if trained is not None}
+    unexpected = sorted((set(params) - held) | (set(extra) - set(expected)))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the checkpoint's parameters do not match the module (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}): it was written for a different model")
+    for key, (_, shape) in expected.items():
+        if saved_of[key] != tuple(shape):
+            raise CheckpointError(f"{key!r} has shape {saved_of[key]} in the checkpoint, the "
+                                  f"module has {tuple(shape)}: it was written for a different "
+                                  "model")
 
 
 def check_shard(state: Any, engine: EngineState) -> None:
