@@ -8,6 +8,7 @@ It reports, from the kernel's high-water mark (``ru_maxrss``, exact, not sampled
 - ``peak - baseline`` against ``engine.host_bytes``: the issue's bound is at most
   ``host_bytes`` + 10%; a setup that kept the model's fp32 copy beside the master would sit
   4 bytes per parameter above what the engine keeps;
+- the peak of setup alone (model built, engine constructed, no step yet);
 - ``transient``: the peak less the RSS once the 3 steps are done (what setup held only for a
   while, the double copy among it);
 - the RSS growth of building the engine and running the 3 steps (the model's own fp32 storage
@@ -48,7 +49,7 @@ with_model = rss()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 with emulated_async_device(seed=0, max_delay_ms=0.5):
     engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu")
-    after_setup = rss()
+    after_setup, setup_peak = rss(), peak()
     x = torch.randn(8, d)
     for _ in range(3):
         engine.backward(engine.module(x).float().pow(2).mean())
@@ -58,7 +59,8 @@ with emulated_async_device(seed=0, max_delay_ms=0.5):
     after_steps = rss()
     top = peak()
     print(json.dumps({"params": params, "baseline": baseline, "with_model": with_model,
-                      "after_setup": after_setup, "after_steps": after_steps, "peak": top,
+                      "after_setup": after_setup, "setup_peak": setup_peak,
+                      "after_steps": after_steps, "peak": top,
                       "host_bytes": engine.host_bytes, "host_budget": engine.host_budget}))
     engine.teardown()
 """
@@ -82,10 +84,12 @@ def measure(params: float, width: int) -> dict:
     r["within_limit"] = r["peak"] <= r["limit"]
     r["peak_growth_over_host_bytes"] = r["peak_growth"] / hb
     r["transient"] = r["peak"] - r["after_steps"]
+    r["setup_peak_growth"] = r["setup_peak"] - base
     r["engine_growth"] = r["after_steps"] - r["with_model"]  # engine + 3 steps
     r["engine_growth_over_host_bytes"] = r["engine_growth"] / hb
     r["bytes_per_param"] = {k: v / n for k, v in (("host_bytes", hb),
                                                   ("peak_growth", r["peak_growth"]),
+                                                  ("setup_peak_growth", r["setup_peak_growth"]),
                                                   ("transient", r["transient"]),
                                                   ("engine_growth", r["engine_growth"]))}
     return r
@@ -97,6 +101,7 @@ def table(r: dict) -> str:
             ("fp32 model built on the CPU (RSS growth)", r["with_model"] - r["baseline"]),
             ("`engine.host_bytes`", r["host_bytes"]),
             ("peak RSS - baseline", r["peak_growth"]),
+            ("peak RSS during setup - baseline", r["setup_peak_growth"]),
             ("bound: 1.1 x `host_bytes`", r["limit"] - r["baseline"]),
             ("transient: peak - RSS after 3 steps", r["transient"]),
             ("RSS growth, engine built + 3 steps", r["engine_growth"])]
