@@ -207,17 +207,21 @@ class ZeroOffloadPlugin:
 
     def prepare(
         self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,
-        *other: Any,
+        *other: Any, gradient_accumulation_steps: int | None = None,
     ) -> tuple:
         """What ``accelerator.prepare(model, optimizer, *other)`` returns, with the model and
-        the optimizer driven by the engine when ZeRO-Offload is on."""
+        the optimizer driven by the engine when ZeRO-Offload is on. The engine's ``accumulate``
+        (unless the config sets it) follows ``gradient_accumulation_steps``, by default the
+        Accelerator's."""
         if not self.enabled:
             return accelerator.prepare(model, optimizer, *other)
         if self.engine is not None:
             raise RuntimeError("this ZeroOffloadPlugin already prepared a model; use one plugin "
                                "(and one Accelerator) per engine model")
         _check_supported(accelerator, model, optimizer)
-        config = self.resolve_config(accelerator.mixed_precision)
+        steps = (accelerator.gradient_accumulation_steps if gradient_accumulation_steps is None
+                 else gradient_accumulation_steps)
+        config = self.resolve_config(accelerator.mixed_precision).resolve_accumulate(steps)
         device = accelerator.device
         if device.type == "cpu":
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device

@@ -129,7 +129,10 @@ class ZeroOffloadMixin(_TrainerBase):
                                  source=source).max_grad_norm is not None:
             raise ValueError("set gradient clipping with TrainingArguments.max_grad_norm, not in "
                              "the ZeRO-Offload options (the Trainer clips through the engine)")
-        self.model, self.optimizer = plugin.prepare(self.accelerator, self.model, optimizer)
+        # The Trainer accumulates itself (its Accelerator says 1 step): its own setting counts.
+        self.model, self.optimizer = plugin.prepare(
+            self.accelerator, self.model, optimizer,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps)
         self.model_wrapped = self.model
         return self.optimizer
 

@@ -68,6 +68,7 @@ class ZeroOffloadConfig:
     collective_timeout_s: float = 300.0
     moment_dtype: str = "fp32"
     moment_seed: int = 0
+    accumulate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -96,6 +97,8 @@ class ZeroOffloadConfig:
                 fail(name, "True or False")
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             fail("pin_memory", "True, False or None")
+        if self.accumulate is not None and not isinstance(self.accumulate, bool):
+            fail("accumulate", "True, False or None")
         if number("max_grad_norm", optional=True) and not (self.max_grad_norm or 0) > 0:
             fail("max_grad_norm", "a positive number or None", ValueError)
         if number("bucket_size_mb") and not 0 < self.bucket_size_mb < math.inf:
@@ -150,6 +153,14 @@ class ZeroOffloadConfig:
                 "leave ZeroOffloadConfig.precision unset (None)"
             )
         return self.replace(precision=framework)
+
+    def resolve_accumulate(self, steps: int | None) -> ZeroOffloadConfig:
+        """A copy with ``accumulate`` from a framework's accumulation setting (``steps`` backward
+        passes per optimizer step; None: the framework has none). The one accumulation rule of
+        every adapter: an explicit ``accumulate`` (True/False) wins."""
+        if self.accumulate is not None or steps is None:
+            return self
+        return self.replace(accumulate=steps > 1)
 
     def replace(self, **overrides: object) -> ZeroOffloadConfig:
         """A copy with ``overrides`` applied; unknown names raise a TypeError listing the fields."""

@@ -26,7 +26,7 @@ from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, step_threads
 from lightning_zero_offload.core.device import make_device
-from lightning_zero_offload.core.host import HostBuffers, engine_budget, plan
+from lightning_zero_offload.core.host import HostBuffers, engine_budget, fill_master, plan
 from lightning_zero_offload.core.layout import build_layout, shard_align
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 from lightning_zero_offload.core.preflight import check_host_memory
@@ -96,11 +96,11 @@ class ZeroOffload:
         self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
         ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
             check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
-        self._host = host = HostBuffers(layout, dtype, rank=self.rank, **kw)  # allocation
-        host.fill_master(layout, self.rank)  # from the user's weights, before they are cast
-        self._profile = ProfileRecorder()
+        master = fill_master(layout, self.rank, dtype, pinned)  # allocation: first the master,
+        self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
-                                      self._profile)
+                                      self._profile)  # (their fp32 storage goes), then the rest
+        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master, **kw)
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
         self._timer = PassTimer(self._profile)

@@ -196,18 +196,51 @@ class GradSet:
         return out + (self._arena.nbytes if self._arena is not None else 0)
 
 
+_FILL_CHUNK = 1 << 24  # elements: the bounded buffer (32 MiB in bf16) a master fill reads through
+
+
+@torch.no_grad()
+def fill_master(layout: Layout, rank: int, dtype: torch.dtype, pinned: bool) -> list[Tensor]:
+    """This rank's fp32 master weights per group, from the parameters (still the user's, before
+    any cast), for :class:`HostBuffers` (``master=``). An fp32 host parameter is copied straight
+    in; any other (a bf16 model, one already on the GPU) passes through one bounded buffer in its
+    dtype, pinned for a GPU parameter when ``pinned``, so the host never holds a temporary of a
+    parameter's size. Called before the device weights take the parameters over and before the
+    other buffers exist: setup never keeps the user's fp32 copy beside the master."""
+    master = [torch.zeros(k, pin_memory=pinned and dtype == torch.float32)
+              for k in layout.group_shard_numel]
+    chunk = min(_FILL_CHUNK, max((hi - lo for _, lo, hi, _ in shard_pieces(layout, rank)),
+                                 default=1))
+    bufs: dict[tuple[torch.dtype, bool], Tensor] = {}
+    for slot, lo, hi, at in shard_pieces(layout, rank):
+        src = slot.param.detach().reshape(-1)[lo:hi]
+        dst = master[slot.group][at : at + hi - lo]
+        if src.device.type == "cpu" and src.dtype == torch.float32:
+            dst.copy_(src)
+            continue
+        pin = pinned and src.device.type == "cuda"
+        buf = bufs.get((src.dtype, pin))
+        if buf is None:
+            buf = bufs[(src.dtype, pin)] = torch.empty(chunk, dtype=src.dtype, pin_memory=pin)
+        for a in range(0, src.numel(), chunk):
+            part = buf[: min(chunk, src.numel() - a)]
+            part.copy_(src[a : a + part.numel()])  # from a GPU: waits for the copy
+            dst[a : a + part.numel()].copy_(part)
+    return master
+
+
 class HostBuffers:
     """This rank's host state; the only place that allocates host buffers of the shard's size."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
                  delayed: bool, pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
-                 rank: int = 0) -> None:
+                 rank: int = 0, master: list[Tensor] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
                           pinned=pinned, out_direct=out_direct, moment_dtype=moment_dtype)
-        self.master = [torch.zeros(k, pin_memory=pinned and not half) for k in n]
+        self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [Moments.zeros(k, moment_dtype) for k in n]
         # Each element draws its stochastic rounding from its place in the whole model (groups
         # back to back), not in this rank's shard: ranks do not round alike, and a layout that
@@ -237,13 +270,6 @@ class HostBuffers:
         if m.moment_dtype != "fp32":
             raise RuntimeError(f"the moments are {m.moment_dtype}; use HostBuffers.moments")
         return m
-
-    @torch.no_grad()
-    def fill_master(self, layout: Layout, rank: int) -> None:
-        """The master weights from the parameters (still the user's, before any cast)."""
-        for slot, lo, hi, at in shard_pieces(layout, rank):
-            self.master[slot.group][at : at + hi - lo].copy_(
-                slot.param.detach().reshape(-1)[lo:hi])
 
     def state(self, b: int) -> tuple[Tensor, Moments]:
         """Bucket ``b``'s shard of the master weights and of the moments (block-aligned views:

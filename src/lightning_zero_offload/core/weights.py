@@ -63,9 +63,10 @@ class DeviceWeights:
         self.trained = trained
         self.live = [torch.zeros(k, dtype=dtype, device=device) for k in layout.group_numel]
         with torch.no_grad():
-            for slot in layout.slots:
+            for slot in layout.slots:  # each parameter's own storage goes once it is copied
                 view = self.live[slot.group][slot.offset : slot.offset + slot.numel]
                 view.copy_(slot.param.detach().reshape(-1))
+                slot.param.data = view.view(slot.shape)
             self._bind()
             module.to(device=device, dtype=dtype)
         self.spare = [w.clone() for w in self.live] if delayed else None

@@ -127,9 +127,11 @@ class EngineOwner:
         return self.engine if self.engine is not None else self.finished_engine
 
     def _start_engine(self, module: Module, optimizers: Sequence[Optimizer], precision: str,
-                      source: str, device: torch.device) -> tuple[Optimizer, ZeroOffload]:
+                      source: str, device: torch.device, accumulate_steps: int | None = None
+                      ) -> tuple[Optimizer, ZeroOffload]:
         """Build the engine over ``module`` and its one optimizer; returns the user's
-        optimizer and the engine. ``source`` names the framework's precision setting."""
+        optimizer and the engine. ``source`` names the framework's precision setting;
+        ``accumulate_steps`` the framework's backward passes per step (None: it has none)."""
         if self.engine is not None:
             raise RuntimeError(
                 "ZeroOffloadStrategy manages one model and optimizer; it already has an engine "
@@ -140,8 +142,9 @@ class EngineOwner:
         # the strategy reports the precision in use (config.precision) from here on
         self.config = config = self.config.resolve_precision(precision, source=source)
         process_group = dist.group.WORLD if _distributed_is_initialized() else None
-        self.engine = ZeroOffload(module, optimizer, config, process_group=process_group,
-                                  device=device)
+        # not kept in self.config: the next fit may accumulate differently
+        self.engine = ZeroOffload(module, optimizer, config.resolve_accumulate(accumulate_steps),
+                                  process_group=process_group, device=device)
         return optimizer, self.engine
 
     def _stop_engine(self) -> None:

@@ -22,6 +22,7 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -41,6 +42,16 @@ from lightning_zero_offload.lightning.common import (
     with_config_fields,
 )
 from lightning_zero_offload.lightning.precision import ZeroOffloadPrecision, as_engine_plugin
+
+
+def accumulate_steps(trainer: Trainer) -> int:
+    """The most backward passes per optimizer step this fit will run: ``accumulate_grad_batches``
+    or, with a ``GradientAccumulationScheduler`` (which sets it epoch by epoch), its largest
+    factor; the engine then allocates the fp32 gradient at setup, not mid-run."""
+    factors = [int(trainer.accumulate_grad_batches)]
+    factors += [max(cb.scheduling.values()) for cb in trainer.callbacks
+                if isinstance(cb, GradientAccumulationScheduler)]
+    return max(factors)
 
 
 class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
@@ -182,7 +193,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         precision = self.precision_plugin.precision
         optimizer, engine = self._start_engine(module, self.optimizers, precision,
                                                f"Trainer(precision={precision!r})",
-                                               self.root_device)
+                                               self.root_device, accumulate_steps(trainer))
         for lr_config in self.lr_scheduler_configs:
             retarget_scheduler(lr_config.scheduler, optimizer, engine.optimizer)
         self.optimizers = [engine.optimizer]

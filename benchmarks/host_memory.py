@@ -1,0 +1,130 @@
+"""Peak host memory of setup: an fp32 model built on the CPU, wrapped, trained 3 steps.
+
+A fresh child process imports torch and the package (its baseline RSS), builds an MLP of wide
+``Linear`` layers without bias (about ``--params`` fp32 parameters) on the CPU, wraps it in
+``ZeroOffload`` on the emulated asynchronous device (``bf16-mixed``, one rank) and trains 3 steps.
+It reports, from the kernel's high-water mark (``ru_maxrss``, exact, not sampled):
+
+- ``peak - baseline`` against ``engine.host_bytes``: the issue's bound is at most
+  ``host_bytes`` + 10%; a setup that kept the model's fp32 copy beside the master would sit
+  4 bytes per parameter above what the engine keeps;
+- the peak of setup alone (model built, engine constructed, no step yet);
+- ``transient``: the peak less the RSS once the 3 steps are done (what setup held only for a
+  while, the double copy among it);
+- the RSS growth of building the engine and running the 3 steps (the model's own fp32 storage
+  counted as already there) against ``engine.host_bytes``.
+
+Run: ``PYTHONPATH=src python benchmarks/host_memory.py [--params 5e8] [--width 4096]``. Prints a
+Markdown table and writes ``benchmarks/out/host_memory.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+CHILD = r"""
+import json, resource, sys
+import psutil, torch
+from torch import nn
+import lightning_zero_offload as zo
+from lightning_zero_offload.ops import _build
+from lightning_zero_offload.testing import emulated_async_device
+_build.load()
+n, d = int(float(sys.argv[1])), int(sys.argv[2])
+proc = psutil.Process()
+rss = lambda: proc.memory_info().rss
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+baseline = rss()
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(max(1, round(n / d**2)))])
+params = sum(p.numel() for p in model.parameters())
+with_model = rss()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+with emulated_async_device(seed=0, max_delay_ms=0.5):
+    engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu")
+    after_setup, setup_peak = rss(), peak()
+    x = torch.randn(8, d)
+    for _ in range(3):
+        engine.backward(engine.module(x).float().pow(2).mean())
+        engine.step()
+        engine.zero_grad()
+    engine.synchronize()
+    after_steps = rss()
+    top = peak()
+    print(json.dumps({"params": params, "baseline": baseline, "with_model": with_model,
+                      "after_setup": after_setup, "setup_peak": setup_peak,
+                      "after_steps": after_steps, "peak": top,
+                      "host_bytes": engine.host_bytes, "host_budget": engine.host_budget}))
+    engine.teardown()
+"""
+
+GB = 1e9
+
+
+def measure(params: float, width: int) -> dict:
+    # A fixed mmap threshold: glibc would otherwise keep freed large blocks in its heap once its
+    # threshold adapted upwards, which hides frees from RSS.
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(params), str(width)], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"host_memory child failed:\n{proc.stderr[-4000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    hb, base, n = r["host_bytes"], r["baseline"], r["params"]
+    r["peak_growth"] = r["peak"] - base
+    r["limit"] = base + 1.1 * hb  # the issue's bound: baseline + host_bytes + 10%
+    r["within_limit"] = r["peak"] <= r["limit"]
+    r["peak_growth_over_host_bytes"] = r["peak_growth"] / hb
+    r["transient"] = r["peak"] - r["after_steps"]
+    r["setup_peak_growth"] = r["setup_peak"] - base
+    r["engine_growth"] = r["after_steps"] - r["with_model"]  # engine + 3 steps
+    r["engine_growth_over_host_bytes"] = r["engine_growth"] / hb
+    r["bytes_per_param"] = {k: v / n for k, v in (("host_bytes", hb),
+                                                  ("peak_growth", r["peak_growth"]),
+                                                  ("setup_peak_growth", r["setup_peak_growth"]),
+                                                  ("transient", r["transient"]),
+                                                  ("engine_growth", r["engine_growth"]))}
+    return r
+
+
+def table(r: dict) -> str:
+    n = r["params"]
+    rows = [("baseline RSS (torch + package imported)", r["baseline"]),
+            ("fp32 model built on the CPU (RSS growth)", r["with_model"] - r["baseline"]),
+            ("`engine.host_bytes`", r["host_bytes"]),
+            ("peak RSS - baseline", r["peak_growth"]),
+            ("peak RSS during setup - baseline", r["setup_peak_growth"]),
+            ("bound: 1.1 x `host_bytes`", r["limit"] - r["baseline"]),
+            ("transient: peak - RSS after 3 steps", r["transient"]),
+            ("RSS growth, engine built + 3 steps", r["engine_growth"])]
+    out = [f"{n / 1e6:.0f}M parameters; peak within baseline + host_bytes + 10%: "
+           f"**{'yes' if r['within_limit'] else 'NO'}** "
+           f"(peak growth = {r['peak_growth_over_host_bytes']:.3f} x host_bytes; "
+           f"engine growth = {r['engine_growth_over_host_bytes']:.3f} x host_bytes)", "",
+           "| quantity | GB | bytes/param |", "|---|---|---|"]
+    out += [f"| {name} | {v / GB:.2f} | {v / n:.2f} |" for name, v in rows]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=5e8)
+    ap.add_argument("--width", type=int, default=4096, help="width of the square layers")
+    ap.add_argument("--out", type=Path, default=HERE / "out" / "host_memory.json")
+    args = ap.parse_args()
+    r = measure(args.params, args.width)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2))
+    print(table(r))
+
+
+if __name__ == "__main__":
+    main()
