@@ -15,7 +15,7 @@ from _tiny_gpt import batches as _batches
 from _tiny_gpt import lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload
-from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
+from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 from lightning_zero_offload.testing import emulated_async_device
 
 SEEDS = (0, 1, 2)

@@ -27,7 +27,7 @@ host, per rank
 device (CUDA)
     the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
     update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
-    reduced and copied out: ``core.streaming.MAX_IN_FLIGHT``) and, when ``batch_size``/
+    reduced and copied out: ``core.limits.MAX_IN_FLIGHT``) and, when ``batch_size``/
     ``seq_len`` and a model config are given, an activation estimate (batch ``b``, sequence
     ``s``, hidden size ``H``, ``a`` heads, ``L`` layers, vocabulary ``V``) for a decoder-only
     transformer without recomputation (Korthikanti et al. 2022, 16-bit:
@@ -138,7 +138,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.host import budget, plan_counts
     from lightning_zero_offload.core.layout import shard_align
-    from lightning_zero_offload.core.streaming import MAX_IN_FLIGHT
+    from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 
     dtype, h = PRECISIONS[precision], _ELEM[precision]
     half, cpu = h != 4, device == "cpu"

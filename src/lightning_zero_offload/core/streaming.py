@@ -1,17 +1,13 @@
 """Gradients from the device to this rank's host shard, bucket by bucket, during backward.
 
-A post-accumulate-grad hook copies each parameter's gradient into its bucket's device buffer and
-drops ``param.grad``. When a bucket is complete (and every bucket before it in the global order),
-it is reduce-scattered across ranks (summed; the 1/N of DDP's average is folded into the step's
-gradient scale), the shard's sum of squares is taken on the device, and the shard goes to the
-host. The buffers it lands in belong to ``core.host.HostBuffers``; the streamer asks for them.
-
-On the CPU (``SyncDevice``) this is plain tensor work into the fp32 host gradient. On an
-asynchronous device (CUDA, or the emulated one in tests) the reduction and the copy run on a side
-stream into the bucket's staging slice, in the compute dtype. A bucket flushed once per step stays
-there and the step's kernel reads it directly; when micro-batches accumulate, the previous flush
-is moved into the fp32 gradient by a host task off the autograd thread (it waits for that copy,
-adds, then queues the next one). Bucket buffers: a fixed ring (``core.ring``).
+A post-accumulate-grad hook copies each gradient into its bucket's device buffer (a fixed ring,
+``core.ring``) and drops ``param.grad``. A complete bucket (every one before it in the global
+order too) is reduce-scattered (summed; DDP's 1/N is folded into the step's gradient scale), its
+shard's sum of squares taken on the device, and the shard copied into ``core.host.HostBuffers``:
+plain tensor work on the CPU; on an asynchronous device (CUDA, or the emulated one) side-stream
+work into the bucket's staging slice, in the compute dtype, which the kernel reads directly. When
+micro-batches accumulate, a host task off the autograd thread moves the previous flush into the
+fp32 gradient (it waits for that copy, adds, then queues the next one).
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ from torch import Tensor
 from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.host import GradSet, HostBuffers
-from lightning_zero_offload.core.layout import ALIGN, Layout, Slot
-from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
+from lightning_zero_offload.core.layout import Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.ring import BucketRing
 
@@ -402,5 +397,3 @@ class GradStreamer:
         self._ring.close()
         self._sources = None  # staging views: the pinned blocks must be free at teardown
 
-
-__all__ = ["ALIGN", "GradStreamer", "MAX_IN_FLIGHT"]
