@@ -49,7 +49,8 @@ def accumulate_steps(trainer: Trainer) -> int:
     or, with a ``GradientAccumulationScheduler`` (which sets it epoch by epoch), its largest
     factor; the engine then allocates the fp32 gradient at setup, not mid-run."""
     factors = [int(trainer.accumulate_grad_batches)]
-    factors += [max(cb.scheduling.values()) for cb in trainer.callbacks
+    callbacks = getattr(trainer, "callbacks", [])  # a property pyright does not see
+    factors += [max(cb.scheduling.values()) for cb in callbacks
                 if isinstance(cb, GradientAccumulationScheduler)]
     return max(factors)
 
