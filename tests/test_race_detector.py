@@ -30,8 +30,10 @@ CAUGHT = {
     "stream_waits_compute:d2h": r"bucket buffer on the d2h stream.*compute stream.*rule 3",
     "compute_waits": r"device weights.*h2d stream.*compute stream",
     "event_wait": r"staging slice on the host stream.*d2h stream.*rule 1",
-    "release": r"bucket buffer on the compute stream.*d2h stream.*rule 4",
 }
+# "release" (record_stream) is not in the table: bucket buffers now live in a fixed ring
+# (core.ring) reused after compute_waits_event, so in this loop release only returns buffers the
+# ring never hands out again; a loop that overflows the ring would be needed to show it.
 
 
 @pytest.mark.parametrize("kind", sorted(CAUGHT))

@@ -216,8 +216,9 @@ class EmulatedDevice(SyncDevice):
     def compute_waits_event(self, event: Event) -> None:
         # The compute stream is this thread, and its next work (backward writing a reused
         # bucket buffer) follows at once: the wait is here.
+        # A compute-stream wait, not a host one: the ``event_wait`` skip does not drop it.
         if "compute_waits_event" not in self.skip:
-            event.wait()
+            _EmuEvent(event.stream, event.index, event.clock).wait()  # type: ignore[attr-defined]
 
     def compute_point(self) -> None:
         waits, self._compute_waits = self._compute_waits, []
