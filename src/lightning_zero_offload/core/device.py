@@ -32,6 +32,12 @@ The ordering rules the engine must follow, and which of them the emulation check
    emulation poisons the buffer at that point of the stream and then hands it out again.
 5. A host buffer whose contents were consumed is passed to :meth:`handed_back` before it is
    reused. Checked: the emulation fills it with NaN at once.
+6. **Staging reuse** (wait kind ``"staging_reuse"``): a gradient staging slice also carries the
+   new half weights to the device (the kernel writes them over the gradient it consumed), so the
+   next device-to-host copy into it waits for the event after the host-to-device copy that reads
+   it (:meth:`stream_waits_event`; a host write waits on the host), and the slice is handed back
+   on the copy stream after that copy. Checked: the emulation poisons it there, and the waiting
+   stream blocks until the copy stream has passed the event.
 
 Collectives queued on a side stream (:meth:`collective`) run, on the emulated device, on the
 stream's own thread with the stream's own process group (created at setup on every rank), so
@@ -103,6 +109,10 @@ class SyncDevice:
 
     def compute_waits(self, stream: object) -> None:
         pass
+
+    def stream_waits_event(self, stream: object, event: Event, kind: str) -> None:
+        """Work queued on ``stream`` from here on runs after ``event`` (a wait of rule ``kind``:
+        see the module docstring)."""
 
     def compute_point(self) -> None:
         pass
@@ -185,6 +195,9 @@ class CudaDevice(SyncDevice):
 
     def compute_waits(self, stream: object) -> None:
         self._compute().wait_stream(stream)  # type: ignore[arg-type]
+
+    def stream_waits_event(self, stream: object, event: Event, kind: str) -> None:
+        stream.wait_event(event.e)  # type: ignore[attr-defined]
 
     def host_task(self, fn: Callable[[], object]) -> Future:
         return self._tasks.submit(fn)

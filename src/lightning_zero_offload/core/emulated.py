@@ -137,6 +137,9 @@ class EmulatedDevice(SyncDevice):
     def compute_waits(self, stream: object) -> None:
         self._compute_waits.append(self.record(stream))
 
+    def stream_waits_event(self, stream: object, event: Event, kind: str) -> None:
+        stream.put(event.wait)  # type: ignore[attr-defined]  # the stream's thread blocks there
+
     def compute_point(self) -> None:
         waits, self._compute_waits = self._compute_waits, []
         for e in waits:

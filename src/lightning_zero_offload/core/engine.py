@@ -86,17 +86,17 @@ class ZeroOffload:
         config, layout = self.config, self.layout
         self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
         delayed, half = config.delayed_update, dtype != torch.float32
-        kw: dict[str, Any] = dict(
-            asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
+        kw: dict[str, Any] = dict(asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
             out_direct=not dev.asynchronous and self.world_size == 1 and half,
-            moment_dtype=config.moment_dtype)
+            moment_dtype=config.moment_dtype, accumulate=config.accumulate)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
         self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
         ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
             check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
-        self._host = host = HostBuffers(layout, dtype, rank=self.rank, **kw)  # allocation
+        self._host = host = HostBuffers(layout, dtype, rank=self.rank,  # allocation
+                                        check_memory=config.check_host_memory, **kw)
         host.fill_master(layout, self.rank)  # from the user's weights, before they are cast
         self._profile = ProfileRecorder()
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,

@@ -277,7 +277,10 @@ class GradStreamer:
         gset = self.host.grads
 
         def copy_in() -> Event:
-            stage = gset.stage(b)
+            stage, reader = gset.stage(b), gset.read_by[b]
+            if reader is not None:  # rule 6: the weights' copy out of this slice comes first
+                gset.read_by[b] = None
+                dev.stream_waits_event(stream, reader, "staging_reuse")
             dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
             dev.release(shard, stream)
             end = self._pending[b] = dev.record(stream)
@@ -350,6 +353,9 @@ class GradStreamer:
             return src.zero_() if self.flushes[b] == 0 else src
         stage = gset.stage(b)
         if self.flushes[b] == 0:
+            reader, gset.read_by[b] = gset.read_by[b], None
+            if reader is not None:  # rule 6 on the host: the last weights' copy read it
+                reader.wait()
             return stage.zero_()
         if self._moved[b] == 0:
             return stage
