@@ -154,7 +154,8 @@ def test_every_host_buffer_is_in_the_preflight_budget(emulated: bool, precision:
     with emulated_async_device(seed=0) if emulated else _nothing():
         model = make(d=64)
         engine = ZeroOffload(model, torch.optim.AdamW(param_groups(model)), precision=precision,
-                             bucket_size_mb=0.05, delayed_update=True, delayed_update_warmup=1)
+                             bucket_size_mb=0.05, delayed_update=True, delayed_update_warmup=1,
+                             accumulate=True)  # None would budget the run without fp32 grads
     del model
     _train(engine, data)
     engine.synchronize()

@@ -373,3 +373,16 @@ def test_accumulate_figure_once_and_follows_plan_counts(monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["accumulate"] is True
     assert out["host_bytes_per_rank"] == out["host_bytes_accumulating"] == p.host_bytes_per_rank
+
+
+def test_13b_fits_one_h200_host_at_the_floor() -> None:
+    """Issue 19: with the host at the floor a 128 GiB host trains 13B (bf16 moments) on one
+    GPU, 16B with int8 moments, 9B with fp32 ones; accumulating adds the fp32 gradient."""
+    kw = dict(precision="bf16-mixed", device_memory="141GiB", host_memory="128GiB",
+              measure=False)
+    assert plan(13e9, moment_dtype="bf16", **kw).fits
+    assert plan(13e9, moment_dtype="int8", **kw).max_params_that_fit >= 16e9
+    assert plan(13e9, moment_dtype="fp32", **kw).max_params_that_fit >= 9e9
+    acc = plan(13e9, moment_dtype="bf16", accumulate=True, **kw)
+    assert acc.host_bytes_per_rank - plan(13e9, moment_dtype="bf16", **kw).host_bytes_per_rank \
+        == 4 * 13_000_000_000

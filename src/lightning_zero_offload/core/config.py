@@ -48,6 +48,15 @@ class ZeroOffloadConfig:
     process group's 30-minute default.
     Every field is type-checked (a bool field takes only True/False, an int field no bool).
 
+    ``accumulate``: whether a step adds several backward passes (gradient accumulation), which
+    on an asynchronous device (CUDA) needs an fp32 host gradient (4 bytes per parameter, 8 with
+    delayed update): True allocates it at setup (and the host-memory check counts it); False
+    never allocates it, and a backward that would accumulate raises; None (not said) budgets the
+    run without it and allocates it at the first backward that accumulates, after its own
+    host-memory check. Accumulating on the device (``backward(loss, sync_gradients=False)``,
+    ``no_sync()``) needs no fp32 host gradient. The adapters set it from the framework's
+    accumulation setting.
+
     ``precision=None`` (the default) takes the framework's: Lightning's ``precision``,
     Accelerate's ``mixed_precision``, the transformers Trainer's ``bf16``/``fp16``; the plain
     engine uses ``DEFAULT_PRECISION`` (``"bf16-mixed"``). An explicit value that disagrees with

@@ -36,6 +36,12 @@ The ordering rules the engine must follow, and which of them the emulation check
    emulation poisons the buffer at that point of the stream and then hands it out again.
 5. A host buffer whose contents were consumed is passed to :meth:`handed_back` before it is
    reused. Checked: the emulation fills it with NaN at once.
+6. **Staging reuse** (wait kind ``"staging_reuse"``): a gradient staging slice also carries the
+   new half weights to the device (the kernel writes them over the gradient it consumed), so the
+   next device-to-host copy into it waits for the event after the host-to-device copy that reads
+   it (:meth:`stream_waits` of kind ``"staging_reuse"``; a host write waits on the host), and the slice is handed back
+   on the copy stream after that copy. Checked: the emulation poisons it there, and the waiting
+   stream blocks until the copy stream has passed the event.
 
 Collectives queued on a side stream (:meth:`collective`) run, on the emulated device, on the
 stream's own thread with the stream's own process group (created at setup on every rank), so
@@ -66,6 +72,7 @@ WAIT_KINDS = (
     "compute_waits",  # rule 2
     "stream_waits",  # a side stream waits for another's event (the copy after the reduce)
     "compute_waits_event",  # compute waits for a bucket buffer's last use before reusing it
+    "staging_reuse",  # rule 6: the copy into a staging slice waits for the weights' copy out
     "event_wait",  # rule 1: host waits (Event.wait)
     "release",  # rule 4: the buffer goes back at once, not at the stream's point
     "synchronize",  # the whole-device waits (end of a step's drain, state_dict, close)
@@ -133,9 +140,11 @@ class SyncDevice:
     def stream_waits_compute(self, stream: object) -> None:
         pass
 
-    def stream_waits(self, stream: object, event: Event) -> None:
+    def stream_waits(self, stream: object, event: Event, kind: str = "stream_waits") -> None:
         """Work queued on ``stream`` from now on runs after ``event`` (another side stream's:
-        the copy after the reduce-scatter), without blocking the host."""
+        the copy after the reduce-scatter, or rule 6's ``"staging_reuse"``: the copy into a
+        slice after the weights' copy out of it), without blocking the host. ``kind`` names
+        the wait for ``skip_waits``."""
 
     def compute_waits(self, stream: object) -> None:
         pass
@@ -228,7 +237,7 @@ class CudaDevice(SyncDevice):
     def stream_waits_compute(self, stream: object) -> None:
         stream.wait_stream(self._compute())  # type: ignore[attr-defined]
 
-    def stream_waits(self, stream: object, event: Event) -> None:
+    def stream_waits(self, stream: object, event: Event, kind: str = "stream_waits") -> None:
         stream.wait_event(event.e)  # type: ignore[attr-defined]
 
     def compute_waits(self, stream: object) -> None:

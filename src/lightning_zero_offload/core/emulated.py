@@ -205,8 +205,8 @@ class EmulatedDevice(SyncDevice):
         if self.detector is not None:  # on CUDA the compute work queued from now on is after it
             self.detector.merge((COMPUTE,), event.clock)  # type: ignore[attr-defined]
 
-    def stream_waits(self, stream: object, event: Event) -> None:
-        if "stream_waits" in self.skip:
+    def stream_waits(self, stream: object, event: Event, kind: str = "stream_waits") -> None:
+        if kind in self.skip:
             return
         if self.detector is not None:  # what ``stream`` runs from now on is after the event
             stream.waits_for(event.clock)  # type: ignore[attr-defined]

@@ -86,10 +86,9 @@ class ZeroOffload:
         config, layout = self.config, self.layout
         self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
         delayed, half = config.delayed_update, dtype != torch.float32
-        kw: dict[str, Any] = dict(
-            asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
+        kw: dict[str, Any] = dict(asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
             out_direct=not dev.asynchronous and self.world_size == 1 and half,
-            moment_dtype=config.moment_dtype)
+            moment_dtype=config.moment_dtype, accumulate=config.accumulate)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
@@ -100,7 +99,8 @@ class ZeroOffload:
         self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)  # (their fp32 storage goes), then the rest
-        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master, **kw)
+        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master,
+                                        check_memory=config.check_host_memory, **kw)
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
         self._timer = PassTimer(self._profile)

@@ -2,20 +2,24 @@
 
 Per optimizer group, over this rank's shard: the fp32 master weights, the Adam moments (an
 ``ops.Moments`` in the config's ``moment_dtype``: fp32, bf16, or 8-bit codes plus per-block
-scales) and the fp32 gradient. Per bucket: the gradient staging slice (compute dtype; the device-
-to-host copies
-land there on an asynchronous device) and the output slice (the kernel's half-precision weights,
-the source of the host-to-device copies). With delayed update a second gradient set (fp32
-gradient and staging) receives the next backward while the step reads the first.
+scales) and, where the run accumulates, the fp32 gradient. Per bucket, on an asynchronous device:
+one gradient staging slice (compute dtype) for both directions: the device-to-host copy lands
+there, the kernel writes the new half weights in place over the gradient it consumed (or, where
+the source was the fp32 gradient, over the staging already folded into it), and the host-to-
+device copy reads them from there (rule 6 of ``core.device``). With delayed update a second
+gradient set (staging, and the fp32 gradient where the run accumulates) receives the next
+backward while the step reads the first. On the CPU the fp32 gradient is where buckets land
+(always there) and the weights are written by the kernel or cast from the master.
 
 :func:`plan` sizes exactly what :class:`HostBuffers` can ever allocate, pinned rounding included:
 torch's pinned allocator rounds every block up to a power of two, so staging and output slices
 are packed into a few power-of-two blocks (a few percent lost at most), and the one pinned
 whole-group buffer (the fp32 master in ``"32-true"`` on CUDA, the source
-of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only once
-a step accumulates several flushes of a bucket; it is budgeted anyway and allocated by
-:meth:`HostBuffers.need_fp32_grads`, which the gradient streamer calls before a backward that
-accumulates, never in a hook.
+of its copies) is budgeted rounded. On an asynchronous device the fp32 gradient exists only where
+the run accumulates (``ZeroOffloadConfig.accumulate``): True allocates and budgets it at setup;
+None budgets the run without it and allocates it at the first backward that accumulates
+(:meth:`HostBuffers.need_fp32_grads`, before autograd, never in a hook) after its own host-memory
+check; False refuses such a backward.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core.device import Event
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
+from lightning_zero_offload.core.preflight import check_lazy_fp32
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
@@ -81,34 +87,40 @@ class Sizes:
 
 
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
-         pinned: bool, out_direct: bool, moment_dtype: str = "fp32") -> Sizes:
-    """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring)."""
+         pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
+         accumulate: bool | None = False) -> Sizes:
+    """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring;
+    ``accumulate=None`` counts the run that does not accumulate)."""
     return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
-                       out_direct=out_direct, moment_dtype=moment_dtype)
+                       out_direct=out_direct, moment_dtype=moment_dtype,
+                       accumulate=accumulate is True)
 
 
 def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
                 asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool,
-                moment_dtype: str = "fp32") -> Sizes:
+                moment_dtype: str = "fp32", accumulate: bool = False) -> Sizes:
     """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
     this rank's elements per group and per bucket. ``"moments"`` is both moments with their
-    scales, exactly as ``ops.Moments.zeros`` allocates them per group."""
+    scales, exactly as ``ops.Moments.zeros`` allocates them per group; ``"grad_fp32"`` the fp32
+    gradient of every set (on an asynchronous device only when ``accumulate``: the run adds
+    several backward passes per step); ``"staging"`` the half gradient staging of every set,
+    which also carries the new weights to the device (``out_direct`` is kept for callers: no
+    layout allocates a separate output buffer any more)."""
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
-    half = dtype != torch.float32
     sets = 2 if delayed else 1
     parts = {"master": 4 * n, "moments": sum(moment_bytes(k, moment_dtype) for k in group_shards),
-             "grad_fp32": 4 * n * sets}
-    if pinned and not half:  # "32-true" on CUDA: the master is the copies' pinned source
+             "grad_fp32": 4 * n * sets if accumulate or not asynchronous else 0}
+    if pinned and dtype == torch.float32:  # "32-true" on CUDA: the master is the pinned source
         parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
     shard_bytes = [k * elem for k in bucket_shards]
-    arena = 0
-    if asynchronous:
-        arena += _arena_bytes(shard_bytes, pinned) * sets  # gradient staging
-    if half and not out_direct:
-        arena += _arena_bytes(shard_bytes, pinned)  # kernel output (H2D source)
-    parts["staging"] = arena
+    parts["staging"] = _arena_bytes(shard_bytes, pinned) * sets if asynchronous else 0
     return Sizes(parts)
+
+
+def fp32_grad_bytes(layout: Layout, delayed: bool) -> int:
+    """Bytes the fp32 gradient of every set takes (what a lazy allocation checks for)."""
+    return 4 * sum(layout.group_shard_numel) * (2 if delayed else 1)
 
 
 def _arena_bytes(slices: list[int], pinned: bool) -> int:
@@ -175,6 +187,9 @@ class GradSet:
         self._arena = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                        if staged else None)
         self.staging = self._arena.slices if self._arena is not None else None
+        # Per slice: the end of the host-to-device copy that reads the weights written over it
+        # (rule 6 of ``core.device``: the next device-to-host copy into it waits for this).
+        self.read_by: list[Event | None] = [None] * len(layout.buckets)
 
     def allocate_fp32(self) -> None:
         if self.fp32 is None:
@@ -190,6 +205,11 @@ class GradSet:
     def stage(self, b: int) -> Tensor:
         assert self.staging is not None
         return self.staging[b]
+
+    def take_reader(self, b: int) -> Event | None:
+        """The copy still reading slice ``b`` (rule 6), which the next write must wait for."""
+        reader, self.read_by[b] = self.read_by[b], None
+        return reader
 
     def nbytes(self) -> int:
         out = sum(t.numel() * 4 for t in self.fp32 or [])
@@ -234,12 +254,15 @@ class HostBuffers:
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
                  delayed: bool, pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
-                 rank: int = 0, master: list[Tensor] | None = None) -> None:
+                 rank: int = 0, accumulate: bool | None = False, check_memory: bool = False,
+                 master: list[Tensor] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
+        self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
-                          pinned=pinned, out_direct=out_direct, moment_dtype=moment_dtype)
+                          pinned=pinned, out_direct=out_direct, moment_dtype=moment_dtype,
+                          accumulate=accumulate)
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [Moments.zeros(k, moment_dtype) for k in n]
         # Each element draws its stochastic rounding from its place in the whole model (groups
@@ -250,10 +273,8 @@ class HostBuffers:
         self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned)
         self.spare: GradSet | None = (
             GradSet(layout, dtype, asynchronous, pinned) if delayed else None)
-        self._out = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
-                     if half and not out_direct else None)
-        if not asynchronous:  # on the CPU the fp32 gradient is where buckets land: always there
-            self.need_fp32_grads()
+        if not asynchronous or accumulate:  # on the CPU the fp32 gradient is where buckets land
+            self._allocate_fp32()
 
     @property
     def exp_avg(self) -> list[Tensor]:
@@ -281,13 +302,24 @@ class HostBuffers:
         lo, _ = bucket.shard_range(self.rank)
         return self.master[g][sl], dataclasses.replace(mom, offset=self._base[g] + lo)
 
-    def out(self, b: int) -> Tensor | None:
-        """Bucket ``b``'s half-precision output slice; None where the kernel writes no copy."""
-        return None if self._out is None else self._out.slices[b]
-
     def need_fp32_grads(self) -> None:
-        """The fp32 gradient of both sets exists from here on (the one place that allocates
-        it: at setup on the CPU, else when the streamer first accumulates, before autograd)."""
+        """A backward is about to accumulate: the fp32 gradient of both sets exists from here on
+        (the one place that allocates it after setup: when the streamer first accumulates,
+        before autograd). ``accumulate=False`` refuses; ``None`` checks host memory first."""
+        if self.grads.fp32 is not None:
+            return
+        if self.accumulate is False:
+            raise RuntimeError(
+                "ZeroOffload: this backward accumulates gradients into a step's earlier ones "
+                "(several backward passes per step), but the engine was built with "
+                "ZeroOffloadConfig(accumulate=False), so it has no fp32 host gradient to add "
+                "into; set accumulate=True (or None) to accumulate, or call step() and "
+                "zero_grad() after every backward")
+        if self._check_memory:
+            check_lazy_fp32(fp32_grad_bytes(self.layout, self._delayed), self.rank)
+        self._allocate_fp32()
+
+    def _allocate_fp32(self) -> None:
         for s in (self.grads, self.spare):
             if s is not None:
                 s.allocate_fp32()
@@ -305,12 +337,10 @@ class HostBuffers:
         """Bytes of everything allocated so far (at most ``sizes.total``)."""
         out = sum(t.numel() * 4 for t in self.master)
         out += sum(moment_bytes(m.numel, m.moment_dtype) for m in self.moments)
-        out += sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
-        return out + (self._out.nbytes if self._out is not None else 0)
+        return out + sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
 
     def free(self) -> None:
         self.master, self.moments = [], []
         for s in (self.grads, self.spare):
             if s is not None:
                 s.fp32 = s.staging = s._arena = None
-        self._out = None

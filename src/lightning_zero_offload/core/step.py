@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_zero_offload.core import checks, collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate
-from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.scaler import DynamicLossScaler
@@ -81,6 +81,8 @@ class Stepper:
         self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
         self.world_size = layout.world_size
         self.threads, self.out_direct, self.profile = threads, out_direct, profile
+        # Half weights on an asynchronous device: the kernel writes them over the staging slice.
+        self._staged_out = streamer.dev.asynchronous and config.compute_dtype != torch.float32
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
         self.param_steps = [0] * len(layout.slots)  # steps with a gradient, per parameter
         self._pieces = _pieces(layout, rank, shard_align(host.moment_dtype))
@@ -213,25 +215,29 @@ class Stepper:
             prof.close(k)
         elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
             sources = self.streamer.fold_last_flush()
-            self.host.swap()  # the worker reads these; the next backward fills the other set
+            used = self.host.swap()  # the worker reads these; the next backward fills the other
             assert weights.spare is not None
             push = weights.push(k, weights.spare)
-            self.delayed.submit(k, push, self._kernel, plan, sources, push, False)
+            self.delayed.submit(k, push, self._kernel, plan, sources, used, push, False)
         else:
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
                 with weights.push(k, weights.live) as push:
+                    gset = self.host.grads
                     if self.worker is not None:  # bound to its cores; collectives stay here
-                        self.worker.run(self._kernel, plan, sources, push, False)
+                        self.worker.run(self._kernel, plan, sources, gset, push, False)
                     else:
-                        self._kernel(plan, sources, push, True)
+                        self._kernel(plan, sources, gset, push, True)
             prof.close(k)
 
-    def _kernel(self, plan: StepPlan, sources: list[Tensor], push: WeightPush,
+    def _kernel(self, plan: StepPlan, sources: list[Tensor], gset: GradSet, push: WeightPush,
                 gather: bool) -> None:
         """The fused kernel over this rank's shard into ``push.target`` (the live weights, or
         the spare ones on the delayed worker). ``gather``: all-gather each bucket as it is done
-        (only on the caller's thread)."""
+        (only on the caller's thread). With half weights on an asynchronous device the kernel
+        writes them over ``gset``'s staging slice (in place over the half gradient it reads, or
+        over the staging already folded into the fp32 gradient) and the copy reads them there;
+        on the CPU they go straight into the weights (one rank) or are cast from the master."""
         k = push.step
         assert k is not None, "a kernel push has a profile step"
         push.wait_sources()  # the last push's copies have read the buffers rewritten here
@@ -240,7 +246,8 @@ class Stepper:
                 hp = plan.hparams[bucket.group]
                 master, moments = self.host.state(b)
                 lo, hi = bucket.shard_range(self.rank)
-                out = push.target[bucket.group][lo:hi] if self.out_direct else self.host.out(b)
+                out = (push.target[bucket.group][lo:hi] if self.out_direct
+                       else gset.stage(b) if self._staged_out else None)
                 done = 0
                 for begin, end, step in plan.runs[b]:
                     self._untouched(master, out, done, begin)
@@ -254,10 +261,14 @@ class Stepper:
                 self._untouched(master, out, done, bucket.shard)
                 if not self.out_direct:
                     push.copy(b, master if out is None else out)
+                if out is not None and not self.out_direct:
+                    gset.read_by[b] = push.hand_back(out)  # rule 6: the next d2h waits for it
                 if gather:
                     push.gather(b)
         push.copies_done()
-        self.streamer.consumed(sources)
+        # Staging slices that carry weights are handed back on the copy stream (hand_back).
+        self.streamer.consumed([s for s in sources
+                                if not self._staged_out or s.dtype == torch.float32])
 
     # -- the counters a checkpoint keeps --------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,13 +1,11 @@
 """Gradients from the device to this rank's host shard, bucket by bucket, during backward.
 
-A post-accumulate-grad hook copies each gradient into its bucket's device buffer (a fixed ring,
-``core.ring``) and drops ``param.grad``. A complete bucket (every one before it in the global
-order too) is reduce-scattered (summed; DDP's 1/N is folded into the step's gradient scale), its
-shard's sum of squares taken on the device, and the shard copied into ``core.host.HostBuffers``:
-plain tensor work on the CPU; on an asynchronous device (CUDA, or the emulated one) side-stream
-work into the bucket's staging slice, in the compute dtype, which the kernel reads directly. When
-micro-batches accumulate, a host task off the autograd thread moves the previous flush into the
-fp32 gradient (it waits for that copy, adds, then queues the next one).
+A post-accumulate-grad hook copies each gradient into its bucket's device buffer (a ring,
+``core.ring``) and drops ``param.grad``. A complete bucket (and every one before it) is
+reduce-scattered (summed; DDP's 1/N is folded into the step's gradient scale), its shard's sum of
+squares taken on the device, and the shard copied into ``core.host.HostBuffers``: on an
+asynchronous device by a side stream into the bucket's staging slice, which the kernel reads.
+When micro-batches accumulate, a host task moves the previous flush into the fp32 gradient.
 """
 
 from __future__ import annotations
@@ -280,7 +278,9 @@ class GradStreamer:
         gset = self.host.grads
 
         def copy_in() -> Event:
-            stage = gset.stage(b)
+            stage, reader = gset.stage(b), gset.take_reader(b)
+            if reader is not None:  # rule 6: the weights' copy out of this slice comes first
+                dev.stream_waits(stream, reader, "staging_reuse")
             dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
             if shard is not buf or not ring:  # not a ring buffer
                 dev.release(shard, stream)
@@ -353,11 +353,12 @@ class GradStreamer:
             return src.zero_() if self.flushes[b] == 0 else src
         stage = gset.stage(b)
         if self.flushes[b] == 0:
+            if (reader := gset.take_reader(b)) is not None:  # rule 6 on the host
+                reader.wait()
             return stage.zero_()
         if self._moved[b] == 0:
             return stage
-        fp32 = gset.grad(b)  # the last flush is still in staging
-        fp32.add_(stage)
+        fp32 = gset.grad(b).add_(stage)  # the last flush is still in staging
         self.dev.handed_back(stage)
         self._moved[b] += 1
         return fp32

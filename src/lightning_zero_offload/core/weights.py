@@ -214,6 +214,16 @@ class WeightPush:
             self._begin = (w.profile.now(), w.dev.record(w._stream))
         w.dev.run(w._stream, lambda: dst.copy_(src, non_blocking=True))
 
+    def hand_back(self, src: Tensor) -> Event | None:
+        """After the copies that read ``src`` (a staging slice): it is handed back there, on the
+        copy stream (poisoned on the emulated device), and the returned event is where the next
+        device-to-host copy into it waits (rule 6 of ``core.device``). None off a side stream."""
+        w = self.weights
+        if w._stream is None:
+            return None
+        w.dev.run(w._stream, lambda: w.dev.handed_back(src))
+        return w.dev.record(w._stream)
+
     def gather(self, b: int) -> None:
         """Queue the all-gather of bucket ``b`` (collective: every rank, the same order); a
         no-op with one rank. Only on the caller's thread."""
