@@ -98,3 +98,4 @@ def test_next_backward_copy_waits_for_the_weights_copy() -> None:
     for a, b in zip(ref, got, strict=True):
         assert torch.equal(a, b)
     emu.teardown()
+

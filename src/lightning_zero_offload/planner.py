@@ -131,10 +131,8 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str = "fp32",
             accumulate: bool = False) -> tuple[dict, dict]:
     """(device breakdown, host breakdown) for these counts. The host side is the engine's own
-    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``; it tells
-    ``plan_counts`` whether the run accumulates where ``plan_counts`` takes that."""
-    import inspect
-
+    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``, for a
+    run that accumulates gradients or not."""
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.host import budget, plan_counts
     from lightning_zero_offload.core.layout import shard_align
@@ -148,11 +146,9 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     rest = -(-rest // unit) * unit
     buckets = [bucket] * full + ([rest] if rest else [])
     shards = [b // world_size for b in buckets]
-    accum = ({"accumulate": accumulate} if "accumulate" in inspect.signature(plan_counts).parameters
-             else {})  # else the fp32 gradient is budgeted either way
     sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
                         pinned=not cpu, out_direct=cpu and world_size == 1 and half,
-                        moment_dtype=moment_dtype, **accum)
+                        moment_dtype=moment_dtype, accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
                   untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts

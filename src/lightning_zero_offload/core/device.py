@@ -39,9 +39,10 @@ The ordering rules the engine must follow, and which of them the emulation check
 6. **Staging reuse** (wait kind ``"staging_reuse"``): a gradient staging slice also carries the
    new half weights to the device (the kernel writes them over the gradient it consumed), so the
    next device-to-host copy into it waits for the event after the host-to-device copy that reads
-   it (:meth:`stream_waits` of kind ``"staging_reuse"``; a host write waits on the host), and the slice is handed back
-   on the copy stream after that copy. Checked: the emulation poisons it there, and the waiting
-   stream blocks until the copy stream has passed the event.
+   it (:meth:`stream_waits` of kind ``"staging_reuse"``; a host write waits on the host), and
+   the slice is handed back on the copy stream after that copy. Checked: the emulation poisons
+   it there, the waiting stream blocks until the copy stream has passed the event, and the race
+   detector sees a copy into the slice that no wait orders after the weights' copy out of it.
 
 Collectives queued on a side stream (:meth:`collective`) run, on the emulated device, on the
 stream's own thread with the stream's own process group (created at setup on every rank), so

@@ -33,6 +33,10 @@ RULES = {  # (who accessed second, kind) -> the rule of core.device it breaks
        "stream_waits_compute)",
     4: "rule 4 (a device buffer a side stream used is released with release() on that stream "
        "before it is reused)",
+    5: "a side stream's work after another side stream's follows stream_waits (the copy after "
+       "the reduce-scatter)",
+    6: "rule 6 (a copy into a staging slice follows the weights' copy out of it: stream_waits "
+       "of kind 'staging_reuse')",
 }
 
 
@@ -179,6 +183,8 @@ class RaceDetector:
             rule = 1
         elif agent == COMPUTE:
             rule = 2
+        elif COMPUTE not in (agent, p.agent):  # two side streams
+            rule = 6 if r.host else 5
         else:
             rule = 3
         err = StreamOrderError(
@@ -187,6 +193,8 @@ class RaceDetector:
             f"wait between them, so on a GPU they race. Broken: {RULES[rule]}"
             + {2: f", or {RULES[3]} if the compute stream's access was meant to come first",
                3: f", or {RULES[2]} if the compute stream's access was meant to come second",
+               5: f", or {RULES[3]} if both were to follow the compute stream",
+               6: f", or {RULES[1]} if a host access between them was to order them",
                }.get(rule, "") + ".")
         if self.error is None:
             self.error = err
