@@ -132,6 +132,26 @@ def test_prepare_returns_accelerate_objects_and_routes_the_loop():
         acc.clip_grad_norm_(list(model.parameters())[:2], 1.0)
 
 
+def test_a_second_optimizer_over_the_model_is_refused_and_another_models_is_prepared():
+    accelerator = Accelerator(mixed_precision="no")
+    model, other = _model(), nn.Linear(4, 4)
+    first = torch.optim.AdamW(model[:2].parameters(), lr=1e-2)
+    second = torch.optim.AdamW(model[2:].parameters(), lr=1e-3)
+    plugin = ZeroOffloadPlugin(enabled=True)
+    with pytest.raises(ValueError, match=r"optimizer at position 3 \(AdamW\) holds parameters "
+                                         r"of the ZeRO-Offload model.*one AdamW with a parameter "
+                                         r"group for each"):
+        plugin.prepare(accelerator, model, first, second)
+    assert plugin.engine is None and accelerator._optimizers == []  # nothing half-built
+    # an optimizer of another model is Accelerate's own, stepping only that model
+    theirs = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    everything = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, wrapped, prepared = plugin.prepare(accelerator, model, everything, theirs)
+    assert isinstance(wrapped, ZeroOffloadAcceleratedOptimizer)
+    assert not isinstance(prepared, ZeroOffloadAcceleratedOptimizer)
+    assert prepared.optimizer is theirs
+
+
 def test_flag_off_is_plain_prepare(monkeypatch):
     from accelerate.optimizer import AcceleratedOptimizer
 

@@ -219,6 +219,7 @@ class ZeroOffloadPlugin:
             raise RuntimeError("this ZeroOffloadPlugin already prepared a model; use one plugin "
                                "(and one Accelerator) per engine model")
         _check_supported(accelerator, model, optimizer)
+        _check_other_optimizers(model, other)
         steps = (accelerator.gradient_accumulation_steps if gradient_accumulation_steps is None
                  else gradient_accumulation_steps)
         config = self.resolve_config(accelerator.mixed_precision).resolve_accumulate(steps)
@@ -266,6 +267,23 @@ def _check_supported(accelerator: Accelerator, model: object, optimizer: object)
                          "already returned by accelerator.prepare")
     if getattr(model, "hf_device_map", None) is not None:
         raise ValueError("ZeRO-Offload places the model itself; load it without device_map")
+
+
+def _check_other_optimizers(model: nn.Module, other: tuple) -> None:
+    """A second optimizer over the engine model's parameters would step weights the engine owns
+    (its half-precision device copies), silently: refuse it before anything is built."""
+    ours = {id(p) for p in model.parameters()}
+    for i, o in enumerate(other):
+        if isinstance(o, torch.optim.Optimizer) and any(
+                id(p) in ours for g in o.param_groups for p in g["params"]):
+            raise ValueError(
+                f"ZeroOffloadPlugin.prepare: the optimizer at position {i + 3} ("
+                f"{type(o).__name__}) holds parameters of the ZeRO-Offload model; one engine keeps "
+                "one optimizer's state (fp32 master weights and moments) on the host, and its CPU "
+                "step is one fused AdamW over those parameters. Give that optimizer only another "
+                "model's parameters (that model is then prepared by Accelerate as usual, without "
+                "offload), or, if the optimizers differ only in hyperparameters and step "
+                "together, pass one AdamW with a parameter group for each")
 
 
 def _route_accelerator(
