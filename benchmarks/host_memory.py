@@ -16,6 +16,13 @@ It reports, from the kernel's high-water mark (``ru_maxrss``, exact, not sampled
 
 Run: ``PYTHONPATH=src python benchmarks/host_memory.py [--params 5e8] [--width 4096]``. Prints a
 Markdown table and writes ``benchmarks/out/host_memory.json``.
+
+``--configs`` (default ``--params 1e8`` then) does the same once per configuration (moments fp32 /
+bf16 / int8 x delayed update off / on x accumulation off / on: two micro-batches a step) and
+prints the host bytes per trained parameter the engine budgets for master, moments, gradients and
+staging (``engine.host_budget`` without the terms that exist only because the CPU is the compute
+device), with the RSS growth of building the engine and running the 3 steps against
+``engine.host_bytes``; writes ``benchmarks/out/host_memory_configs.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from lightning_zero_offload.ops import _build
 from lightning_zero_offload.testing import emulated_async_device
 _build.load()
 n, d = int(float(sys.argv[1])), int(sys.argv[2])
+moment_dtype, delayed, accumulate = sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
 proc = psutil.Process()
 rss = lambda: proc.memory_info().rss
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -48,11 +56,14 @@ params = sum(p.numel() for p in model.parameters())
 with_model = rss()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 with emulated_async_device(seed=0, max_delay_ms=0.5):
-    engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu")
+    engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu",
+                            moment_dtype=moment_dtype, delayed_update=delayed,
+                            delayed_update_warmup=0, accumulate=accumulate)
     after_setup, setup_peak = rss(), peak()
     x = torch.randn(8, d)
     for _ in range(3):
-        engine.backward(engine.module(x).float().pow(2).mean())
+        for _ in range(2 if accumulate else 1):
+            engine.backward(engine.module(x).float().pow(2).mean())
         engine.step()
         engine.zero_grad()
     engine.synchronize()
@@ -66,14 +77,21 @@ with emulated_async_device(seed=0, max_delay_ms=0.5):
 """
 
 GB = 1e9
+# budget terms that exist only because the CPU is the compute device (the emulated device keeps
+# its "device" buffers in host memory)
+CPU_ONLY = ("device_weights", "device_untrained", "buckets_in_flight")
+CONFIGS = [(m, d, a) for m in ("fp32", "bf16", "int8") for d in (False, True)
+           for a in (False, True)]
 
 
-def measure(params: float, width: int) -> dict:
+def measure(params: float, width: int, moment_dtype: str = "fp32", delayed: bool = False,
+            accumulate: bool = False) -> dict:
     # A fixed mmap threshold: glibc would otherwise keep freed large blocks in its heap once its
     # threshold adapted upwards, which hides frees from RSS.
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(params), str(width)], env=env,
+    argv = [str(params), str(width), moment_dtype, str(int(delayed)), str(int(accumulate))]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"host_memory child failed:\n{proc.stderr[-4000:]}")
@@ -92,7 +110,27 @@ def measure(params: float, width: int) -> dict:
                                                   ("setup_peak_growth", r["setup_peak_growth"]),
                                                   ("transient", r["transient"]),
                                                   ("engine_growth", r["engine_growth"]))}
+    r["floor_bytes_per_param"] = sum(
+        v for k, v in r["host_budget"].items() if k not in CPU_ONLY) / n
+    r["config"] = {"moment_dtype": moment_dtype, "delayed_update": delayed,
+                   "accumulate": accumulate}
     return r
+
+
+def configs_table(rows: list[dict]) -> str:
+    out = [f"{rows[0]['params'] / 1e6:.0f}M parameters, bf16-mixed, one rank, emulated "
+           "asynchronous device; bytes per trained parameter", "",
+           "| moments | delayed update | accumulation | master | moments | fp32 gradient | "
+           "staging | **total** | RSS growth (engine + 3 steps) / `host_bytes` |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, n, b = r["config"], r["params"], r["host_budget"]
+        out.append(f"| {c['moment_dtype']} | {'on' if c['delayed_update'] else 'off'} | "
+                   f"{'on' if c['accumulate'] else 'off'} | {b['master'] / n:.3f} | "
+                   f"{b['moments'] / n:.3f} | {b['grad_fp32'] / n:.3f} | {b['staging'] / n:.3f} "
+                   f"| **{r['floor_bytes_per_param']:.3f}** | "
+                   f"{r['engine_growth_over_host_bytes']:.3f} |")
+    return "\n".join(out)
 
 
 def table(r: dict) -> str:
@@ -116,11 +154,20 @@ def table(r: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=float, default=5e8)
+    ap.add_argument("--params", type=float, default=None, help="5e8 (1e8 with --configs)")
+    ap.add_argument("--configs", action="store_true", help="every moments x delayed x "
+                    "accumulation configuration")
     ap.add_argument("--width", type=int, default=4096, help="width of the square layers")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "host_memory.json")
     args = ap.parse_args()
-    r = measure(args.params, args.width)
+    if args.configs:
+        rows = [measure(args.params or 1e8, args.width, *c) for c in CONFIGS]
+        out = args.out.with_name("host_memory_configs.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=2))
+        print(configs_table(rows))
+        return
+    r = measure(args.params or 5e8, args.width)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2))
     print(table(r))

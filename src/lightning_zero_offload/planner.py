@@ -147,7 +147,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     buckets = [bucket] * full + ([rest] if rest else [])
     shards = [b // world_size for b in buckets]
     sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu, out_direct=cpu and world_size == 1 and half,
+                        pinned=not cpu,
                         moment_dtype=moment_dtype, accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,

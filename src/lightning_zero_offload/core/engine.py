@@ -87,8 +87,7 @@ class ZeroOffload:
         self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
         delayed, half = config.delayed_update, dtype != torch.float32
         kw: dict[str, Any] = dict(asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
-            out_direct=not dev.asynchronous and self.world_size == 1 and half,
-            moment_dtype=config.moment_dtype, accumulate=config.accumulate)
+                                  moment_dtype=config.moment_dtype, accumulate=config.accumulate)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
@@ -115,7 +114,8 @@ class ZeroOffload:
         self._delayed = DelayedUpdate(self._worker, self._profile, self._weights)
         self._stepper = Stepper(layout, host, self._weights, self._streamer, config,
                                 decoupled=self.decoupled, rank=self.rank,
-                                process_group=self.process_group, out_direct=kw["out_direct"],
+                                process_group=self.process_group,
+                                out_direct=not dev.asynchronous and self.world_size == 1 and half,
                                 threads=step_threads(config, self.world_size, self.device),
                                 profile=self._profile, worker=self._worker, delayed=self._delayed)
         self._calls = 0  # step() calls, the profile's step numbers

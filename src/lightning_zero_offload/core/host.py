@@ -87,26 +87,24 @@ class Sizes:
 
 
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
-         pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
-         accumulate: bool | None = False) -> Sizes:
+         pinned: bool, moment_dtype: str = "fp32", accumulate: bool | None = False) -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring;
     ``accumulate=None`` counts the run that does not accumulate)."""
     return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
-                       out_direct=out_direct, moment_dtype=moment_dtype,
-                       accumulate=accumulate is True)
+                       moment_dtype=moment_dtype, accumulate=accumulate is True)
 
 
 def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
-                asynchronous: bool, delayed: bool, pinned: bool, out_direct: bool,
-                moment_dtype: str = "fp32", accumulate: bool = False) -> Sizes:
+                asynchronous: bool, delayed: bool, pinned: bool, moment_dtype: str = "fp32",
+                accumulate: bool = False) -> Sizes:
     """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
     this rank's elements per group and per bucket. ``"moments"`` is both moments with their
     scales, exactly as ``ops.Moments.zeros`` allocates them per group; ``"grad_fp32"`` the fp32
     gradient of every set (on an asynchronous device only when ``accumulate``: the run adds
     several backward passes per step); ``"staging"`` the half gradient staging of every set,
-    which also carries the new weights to the device (``out_direct`` is kept for callers: no
-    layout allocates a separate output buffer any more)."""
+    which also carries the new weights to the device (the kernel writes them over the gradient
+    it consumed: no separate output buffer)."""
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     sets = 2 if delayed else 1
     parts = {"master": 4 * n, "moments": sum(moment_bytes(k, moment_dtype) for k in group_shards),
@@ -253,16 +251,15 @@ class HostBuffers:
     """This rank's host state; the only place that allocates host buffers of the shard's size."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
-                 delayed: bool, pinned: bool, out_direct: bool, moment_dtype: str = "fp32",
-                 rank: int = 0, accumulate: bool | None = False, check_memory: bool = False,
+                 delayed: bool, pinned: bool, moment_dtype: str = "fp32", rank: int = 0,
+                 accumulate: bool | None = False, check_memory: bool = False,
                  master: list[Tensor] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
-                          pinned=pinned, out_direct=out_direct, moment_dtype=moment_dtype,
-                          accumulate=accumulate)
+                          pinned=pinned, moment_dtype=moment_dtype, accumulate=accumulate)
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [Moments.zeros(k, moment_dtype) for k in n]
         # Each element draws its stochastic rounding from its place in the whole model (groups
