@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_ranks
 from _helpers import tiny_engine, train
-from _tiny_gpt import batches
+from _tiny_gpt import batches, lm_loss
 
 from lightning_zero_offload.core.emulated import EmulatedDevice
 from lightning_zero_offload.testing import StreamOrderError, emulated_async_device
@@ -41,6 +42,49 @@ CAUGHT = {
 def test_each_skipped_wait_kind_is_caught(kind: str) -> None:
     with pytest.raises(StreamOrderError, match=CAUGHT[kind]):
         _loop({kind})
+
+
+def _loop_reading_weights_before_step(rank: int, world: int, skip: set[str]) -> str:
+    """The 3-step loop with a no-grad forward (metrics on the batch) between backward and step:
+    a compute read of the weights after the last flush, which only the h2d stream's own
+    ``stream_waits_compute`` orders before the step's weight copies."""
+    with emulated_async_device(seed=1 + rank, skip_waits=skip):
+        engine = tiny_engine(precision="bf16-mixed")
+        for x, y in batches(3):
+            per = x.shape[0] // world
+            part = slice(rank * per, (rank + 1) * per)
+            engine.backward(lm_loss(engine.module(x[part]), y[part]))
+            with torch.no_grad():
+                engine.module(x[part])
+            engine.step()
+            engine.zero_grad()
+        engine.synchronize()
+        engine.teardown()
+    return "clean"
+
+
+def test_skipping_the_h2d_wait_for_compute_is_caught_when_compute_reads_the_weights() -> None:
+    assert _loop_reading_weights_before_step(0, 1, set()) == "clean"
+    with pytest.raises(StreamOrderError, match=r"write of the device weights on the h2d stream"
+                                               r".*compute stream.*rule 3"):
+        _loop_reading_weights_before_step(0, 1, {"stream_waits_compute:h2d"})
+
+
+def test_skipping_the_ring_reuse_wait_is_caught() -> None:
+    with pytest.raises(StreamOrderError, match=r"write of the bucket buffer on the compute stream"
+                                               r".*d2h stream.*rule 2"):
+        _loop({"compute_waits_event"})
+
+
+@pytest.mark.slow
+def test_skipping_the_copy_wait_for_the_reduce_scatter_is_caught_on_two_ranks() -> None:
+    """Two ranks: the d2h copy of a reduced shard waits for the reduce stream's event
+    (``stream_waits``), through which it is also ordered after compute's write of the bucket;
+    dropped, the d2h stream reads unordered."""
+    assert run_ranks(_loop_reading_weights_before_step, 2, set()) == ["clean", "clean"]
+    with pytest.raises(Exception, match=r"StreamOrderError: read of the bucket buffer on the "
+                                        r"d2h stream"):
+        run_ranks(_loop_reading_weights_before_step, 2, {"stream_waits"})
 
 
 def test_without_skips_the_detector_is_silent_and_the_losses_equal_the_cpu_path() -> None:
