@@ -61,8 +61,15 @@ def test_accumulate_false_refuses_and_none_allocates_lazily() -> None:
     assert lazy._host.grads.fp32 is None
     _step(lazy, x)
     assert lazy._host.grads.fp32 is None  # one backward per step: no fp32 gradient
+    before = lazy.host_bytes
+    assert lazy.host_budget["grad_fp32"] == 0
     _step(lazy, x)
     assert lazy._host.grads.fp32 is not None
+    # budget = allocation: the lazily allocated fp32 gradient is counted from then on
+    fp32 = 4 * sum(lazy.layout.group_shard_numel)
+    assert lazy.host_budget["grad_fp32"] == fp32 and lazy.host_bytes == before + fp32
+    assert lazy._host.allocated_bytes() == sum(
+        lazy.host_budget[k] for k in ("master", "moments", "grad_fp32", "staging"))
     never.teardown()
     lazy.teardown()
 

@@ -2,11 +2,9 @@
 
 This module wires the owners together and holds the public API; each kind of state has one
 owner: ``host.HostBuffers`` (master, moments, gradients, staging), ``weights.DeviceWeights``
-(flat device buffers, copies, the delayed-update swap), ``streaming.GradStreamer`` (gradients
-during backward), ``step.Stepper`` (the whole step: its decision, the kernel, its counters),
-``checkpoint.EngineState`` (state in and out) and ``device`` (streams, events, waits). With
-delayed update (``core.delayed``) the kernel of step i runs on a worker thread into the spare
-weights, which become the live ones at the next ``step()``.
+(flat device buffers, copies, the delayed-update swap), ``streaming.GradStreamer`` (backward),
+``step.Stepper`` (the whole step and its counters), ``checkpoint.EngineState`` (state in and
+out), ``device`` (streams, events, waits) and ``delayed`` (the step on a worker thread).
 """
 
 from __future__ import annotations
@@ -56,16 +54,14 @@ class ZeroOffload:
         self.rank, self.world_size = checks.rank_and_world(process_group)
         # The engine's own copy of the group, with its timeout (see core.collectives).
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
-        # Released by teardown or when the engine is dropped. Not at the interpreter's exit: a
-        # destroy waits for collectives in flight, and after an error that would keep the peers
-        # waiting for the timeout. At exit, dist.destroy_process_group() takes every group.
+        # Released by teardown or when the engine is dropped, not at exit (a destroy waits for
+        # collectives in flight: after an error, the peers' timeout); exit's destroy takes all.
         self._release_group = weakref.finalize(self, collectives.release_group,
                                                self.process_group, process_group)
         self._release_group.atexit = False
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
-        ref = _ENGINES.get(module)
-        owner = ref() if ref is not None else None
+        owner = _ENGINES[module]() if module in _ENGINES else None
         if owner is not None and not owner.torn_down:
             raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
                              "engine; teardown() that one first (or wrap a fresh model)")
@@ -91,7 +87,7 @@ class ZeroOffload:
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
-        self.host_budget, self.host_bytes = dict(sizes.parts), sizes.total  # bytes this rank
+        self.host_budget = dict(sizes.parts)  # bytes this rank; a lazy fp32 gradient adds its own
         ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
             check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
         master = fill_master(layout, self.rank, dtype, pinned)  # allocation: first the master,
@@ -100,14 +96,14 @@ class ZeroOffload:
                                       self._profile)  # (their fp32 storage goes), then the rest
         self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master,
                                         check_memory=config.check_host_memory, **kw)
+        host.budget = self.host_budget
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
         self._timer = PassTimer(self._profile)
         self._hooks = [module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)]
         self._hooks += [m.register_forward_pre_hook(self._forward_started) for m in module.modules()
                         if m is not module and next(m.parameters(recurse=False), None) is not None]
-        # Many loops (the transformers Trainer among them) zero gradients through the model; ours
-        # live in the engine's buffers, not in `param.grad`, so the model's zero_grad clears them.
+        # Loops that zero gradients through the model (the transformers Trainer) clear ours too.
         module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
         cores = config.cpu_affinity
         self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
@@ -118,8 +114,7 @@ class ZeroOffload:
                                 out_direct=not dev.asynchronous and self.world_size == 1 and half,
                                 threads=step_threads(config, self.world_size, self.device),
                                 profile=self._profile, worker=self._worker, delayed=self._delayed)
-        self._calls = 0  # step() calls, the profile's step numbers
-        self._closed = self._readable = False
+        self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
@@ -135,6 +130,11 @@ class ZeroOffload:
         self._forward_started()
         return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
             kwargs, self.compute_dtype)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes this rank's engine allocates: the sum of ``host_budget``."""
+        return sum(self.host_budget.values())
 
     @property
     def loss_scale(self) -> float | None:

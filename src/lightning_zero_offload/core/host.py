@@ -256,6 +256,7 @@ class HostBuffers:
                  master: list[Tensor] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
+        self.budget: dict[str, int] | None = None  # the engine's host_budget, kept equal to it
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
@@ -312,9 +313,12 @@ class HostBuffers:
                 "ZeroOffloadConfig(accumulate=False), so it has no fp32 host gradient to add "
                 "into; set accumulate=True (or None) to accumulate, or call step() and "
                 "zero_grad() after every backward")
+        needed = fp32_grad_bytes(self.layout, self._delayed)
         if self._check_memory:
-            check_lazy_fp32(fp32_grad_bytes(self.layout, self._delayed), self.rank)
+            check_lazy_fp32(needed, self.rank)
         self._allocate_fp32()
+        if self.budget is not None:  # budget = allocation, from here on with the fp32 gradient
+            self.budget["grad_fp32"] = needed
 
     def _allocate_fp32(self) -> None:
         for s in (self.grads, self.spare):
