@@ -38,15 +38,15 @@ def _train(engine: ZeroOffload, data: list, micro: int = 2, gather: bool = True)
     return train(engine, data, micro=micro, gather=gather).losses
 
 
-def _run(precision: str, delayed: bool, seed: int | None, data: list) -> dict:
+def _run(precision: str, delayed: bool, seed: int | None, data: list, micro: int = 2) -> dict:
     if seed is None:
         engine = _engine(precision, delayed)
-        losses = _train(engine, data)
+        losses = _train(engine, data, micro)
     else:
         with emulated_async_device(seed=seed, max_delay_ms=3.0) as made:
             engine = _engine(precision, delayed)
         assert len(made) == 1  # the engine really runs on the emulated device
-        losses = _train(engine, data)
+        losses = _train(engine, data, micro)
     out = {"losses": losses, "full": engine.full_state_dict()}
     engine.teardown()
     return out
@@ -60,12 +60,13 @@ def _assert_same(got: dict, want: dict) -> None:
         assert rel_err(got["full"]["optimizer"]["state"][i]["exp_avg_sq"], st["exp_avg_sq"]) < 1e-6
 
 
+@pytest.mark.parametrize("micro", [1, 2])  # accumulation off (no fp32 host gradient) and on
 @pytest.mark.parametrize(("precision", "delayed"), CASES)
-def test_emulated_device_equals_the_cpu_path(precision: str, delayed: bool) -> None:
+def test_emulated_device_equals_the_cpu_path(precision: str, delayed: bool, micro: int) -> None:
     data = batches(STEPS)
-    want = _run(precision, delayed, None, data)
+    want = _run(precision, delayed, None, data, micro)
     for seed in SEEDS:
-        _assert_same(_run(precision, delayed, seed, data), want)
+        _assert_same(_run(precision, delayed, seed, data, micro), want)
 
 
 def test_slow_weight_copies_equal_the_cpu_path() -> None:
