@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, ranks
+from lightning_zero_offload.core import checks, collectives, ranks, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, step_threads
@@ -44,7 +44,8 @@ class ZeroOffload:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  config: ZeroOffloadConfig | None = None, *, process_group: object | None = None,
-                 device: torch.device | str | None = None, **overrides: object) -> None:
+                 device: torch.device | str | None = None, device_mesh: Any = None,
+                 **overrides: object) -> None:
         config = config if config is not None else ZeroOffloadConfig()
         if not isinstance(config, ZeroOffloadConfig):
             raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
@@ -53,6 +54,7 @@ class ZeroOffload:
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
+        self.tp, process_group = tensor_parallel.setup(module, device_mesh, process_group)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         # The engine's own copy of the group, with its timeout (see core.collectives).
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
@@ -64,8 +66,7 @@ class ZeroOffload:
         self._release_group.atexit = False
         self.decoupled = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
-        ref = _ENGINES.get(module)
-        owner = ref() if ref is not None else None
+        owner = ref() if (ref := _ENGINES.get(module)) is not None else None
         if owner is not None and not owner.torn_down:
             raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
                              "engine; teardown() that one first (or wrap a fresh model)")
@@ -75,7 +76,7 @@ class ZeroOffload:
         elem = torch.empty((), dtype=dtype).element_size()
         self.layout = build_layout(self._groups, trainable, order, names, self.world_size,
                                    max(1, int(config.bucket_size_mb * 2**20 / elem)),
-                                   shard_align(config.moment_dtype))
+                                   shard_align(config.moment_dtype), self.tp)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
@@ -118,8 +119,7 @@ class ZeroOffload:
                                 process_group=self.process_group, out_direct=kw["out_direct"],
                                 threads=step_threads(config, self.world_size, self.device),
                                 profile=self._profile, worker=self._worker, delayed=self._delayed)
-        self._calls = 0  # step() calls, the profile's step numbers
-        self._closed = self._readable = False
+        self._calls, self._closed, self._readable = 0, False, False  # _calls: profile steps
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
                                   self._stepper, module, self.optimizer.param_groups,
