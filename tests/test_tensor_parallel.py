@@ -45,6 +45,7 @@ def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
     engine = _engine(dp, tp, **cfg)
     coord = engine.tp.rank if engine.tp is not None else 0
     part = engine.rank if dp <= 2 else engine.rank // 2
+    norms = []
     for step in range(STEPS):
         for m in range(ACCUM):
             x, y = batch(step, m, part)
@@ -52,14 +53,15 @@ def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
                 x, y = x.chunk(2)[engine.rank % 2], y.chunk(2)[engine.rank % 2]
             engine.backward(lm_loss(engine.module(x), y) / ACCUM,
                             sync_gradients=m == ACCUM - 1)
-        engine.step()
+        norms.append(float(engine.step()))  # type: ignore[arg-type]
         engine.zero_grad()
     engine.teardown()
-    return {"weights": _full(engine.module), "tp_rank": coord}
+    return {"weights": _full(engine.module), "tp_rank": coord, "norms": norms}
 
 
-def _reference(lr: float = LR) -> dict[str, torch.Tensor]:
-    """One process, no engine: torch.optim.AdamW + clip_grad_norm_ on the same global batches."""
+def _reference(lr: float = LR, norms: list | None = None) -> dict[str, torch.Tensor]:
+    """One process, no engine: torch.optim.AdamW + clip_grad_norm_ on the same global batches
+    (``norms`` gets each step's pre-clip norm)."""
     model = make(0)
     opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
     for step in range(STEPS):
@@ -67,7 +69,9 @@ def _reference(lr: float = LR) -> dict[str, torch.Tensor]:
             for m in range(ACCUM):
                 x, y = batch(step, m, part)
                 (lm_loss(model(x), y) / (ACCUM * 2)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if norms is not None:
+            norms.append(float(norm))
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -85,10 +89,13 @@ def _moved(got: dict, start: dict) -> float:
 
 def test_dp2_tp2_fp32_equals_torch_adamw():
     out = run_ranks(_train, 4, 2, 2, {"precision": "32-true"})
-    want = _reference()
+    norms: list[float] = []
+    want = _reference(norms=norms)
     assert _moved(want, _full(make(0))) > 1e-2  # the run does change the weights
     for r in out:
         assert _rel(r["weights"], want) < 5e-5
+        # the global norm: both dimensions, replicated parameters once
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)
     assert {r["tp_rank"] for r in out} == {0, 1}
 
 
@@ -101,7 +108,6 @@ def test_dp2_tp2_bf16_equals_four_data_parallel_ranks(delayed):
     dp = run_ranks(_train, 4, 4, 1, cfg)
     assert _rel(tp[0]["weights"], _full(make(0))) > 1e-2
     for r in tp:
-        print("rel bf16", delayed, _rel(r["weights"], dp[0]["weights"]))
         assert _rel(r["weights"], dp[0]["weights"]) < 2e-3
 
 
@@ -128,7 +134,6 @@ def test_host_state_per_rank_at_dp2_tp2_is_a_quarter():
     assert one["master"] > 4 * 100_000  # the whole model's fp32 master on the single rank
     for parts in four:
         ratio = sum(parts[k] for k in _STATE) / whole
-        print("host state ratio", ratio)
         assert abs(ratio - 0.25) < 0.25 * 0.02
 
 
@@ -229,6 +234,23 @@ def _different_plans(rank: int, world: int) -> str:
     with pytest.raises(ValueError) as e:
         ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=mesh, device="cpu")
     return str(e.value)
+
+
+def _checkpoint_refused(rank: int, world: int) -> list[str]:
+    engine = _engine(1, 2)
+    out = []
+    for call in (engine.state_dict, engine.full_state_dict,
+                 lambda: engine.save_checkpoint("/nonexistent/tp-ckpt")):
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        out.append(str(e.value))
+    engine.teardown()
+    return out
+
+
+def test_checkpoints_under_tensor_parallelism_are_refused():
+    for msgs in run_ranks(_checkpoint_refused, 2):
+        assert all("checkpoints under tensor parallelism" in m for m in msgs)
 
 
 def test_ranks_with_different_plans_fail_setup_on_every_rank():
