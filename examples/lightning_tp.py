@@ -149,8 +149,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
     torch.manual_seed(0)  # the same initial weights on every rank
-    strategy = ZeroOffloadStrategy(tensor_parallel_size=args.tensor_parallel_size,
-                                   start_method="spawn" if args.accelerator == "cpu" else "popen")
+    # the default "popen" launcher: "spawn" would pickle the DTensor weights back to the parent
+    strategy = ZeroOffloadStrategy(tensor_parallel_size=args.tensor_parallel_size)
     trainer = Trainer(strategy=strategy, devices=args.devices, accelerator=args.accelerator,
                       precision=args.precision, max_steps=args.max_steps, gradient_clip_val=1.0,
                       logger=False, enable_checkpointing=False, log_every_n_steps=5)
