@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, ranks
+from lightning_zero_offload.core import checks, collectives, ranks, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, step_threads
@@ -42,7 +42,8 @@ class ZeroOffload:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  config: ZeroOffloadConfig | None = None, *, process_group: object | None = None,
-                 device: torch.device | str | None = None, **overrides: object) -> None:
+                 device: torch.device | str | None = None, device_mesh: Any = None,
+                 **overrides: object) -> None:
         config = config if config is not None else ZeroOffloadConfig()
         if not isinstance(config, ZeroOffloadConfig):
             raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
@@ -51,11 +52,11 @@ class ZeroOffload:
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
+        self.tp, process_group = tensor_parallel.setup(module, device_mesh, process_group)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         # The engine's own copy of the group, with its timeout (see core.collectives).
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
-        # Released by teardown or when the engine is dropped, not at exit (a destroy waits for
-        # collectives in flight: after an error, the peers' timeout); exit's destroy takes all.
+        # Released by teardown or when dropped, not at exit (a destroy waits for collectives).
         self._release_group = weakref.finalize(self, collectives.release_group,
                                                self.process_group, process_group)
         self._release_group.atexit = False
@@ -71,7 +72,7 @@ class ZeroOffload:
         elem = torch.empty((), dtype=dtype).element_size()
         self.layout = build_layout(self._groups, trainable, order, names, self.world_size,
                                    max(1, int(config.bucket_size_mb * 2**20 / elem)),
-                                   shard_align(config.moment_dtype))
+                                   shard_align(config.moment_dtype), self.tp)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
@@ -323,8 +324,7 @@ class ZeroOffload:
             return
         error = sys.exc_info()[1]
         if error is not None and self.world_size > 1:
-            # Teardown while an exception propagates (a framework's error handler): the peers
-            # may sit in another collective, so start none; they fail within the timeout.
+            # An error propagates (a framework's handler): start no collective; peers time out.
             collectives.report_failure(self.rank, error)
             copy_weights_to_module = False
         try:

@@ -34,6 +34,7 @@ from lightning_zero_offload.core.device import Event
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.preflight import check_lazy_fp32
+from lightning_zero_offload.core.tensor_parallel import local
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
@@ -231,7 +232,7 @@ def fill_master(layout: Layout, rank: int, dtype: torch.dtype, pinned: bool) -> 
                                  default=1))
     bufs: dict[tuple[torch.dtype, bool], Tensor] = {}
     for slot, lo, hi, at in shard_pieces(layout, rank):
-        src = slot.param.detach().reshape(-1)[lo:hi]
+        src = local(slot.param).detach().reshape(-1)[lo:hi]
         dst = master[slot.group][at : at + hi - lo]
         if src.device.type == "cpu" and src.dtype == torch.float32:
             dst.copy_(src)

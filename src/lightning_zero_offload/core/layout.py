@@ -18,10 +18,12 @@ for a group are its shards of that group's buckets, back to back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_zero_offload.core.tensor_parallel import local
 from lightning_zero_offload.ops.moments import BLOCK
 
 ALIGN = 16  # elements; parameter and shard starts are multiples of this (64 B in fp32)
@@ -68,6 +70,7 @@ class Layout:
     group_shard_numel: list[int]  # host elements per group on each rank
     world_size: int
     group_sizes: list[int]  # number of parameters in each optimizer group (torch numbering)
+    tp: Any = None  # core.tensor_parallel.TensorParallel: slots are DTensors' local shards
 
     @property
     def shard_numel(self) -> int:
@@ -110,6 +113,7 @@ def build_layout(
     world_size: int,
     bucket_numel: int,
     shard_align: int = ALIGN,
+    tp: Any = None,
 ) -> Layout:
     """Lay out the trainable parameters of ``groups``.
 
@@ -128,7 +132,7 @@ def build_layout(
         for p, train in zip(params, trainable[g], strict=True):
             if train:
                 mine.append(
-                    Slot(p, names[id(p)], g, index, 0, p.numel(), p.shape)
+                    Slot(p, names[id(p)], g, index, 0, local(p).numel(), local(p).shape)
                 )
             index += 1
         mine.sort(key=lambda s: -order[id(s.param)])
@@ -168,7 +172,8 @@ def build_layout(
         buckets.append(bucket)
         group_numel[g] += numel
         group_shard[g] += bucket.shard
-    return Layout(slots, buckets, group_numel, group_shard, world_size, [len(p) for p in groups])
+    return Layout(slots, buckets, group_numel, group_shard, world_size, [len(p) for p in groups],
+                  tp)
 
 
 def shard_align(moment_dtype: str) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.tensor_parallel import local
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +92,13 @@ def broadcast_start(layout: Layout, module: nn.Module, group: Any,
         for i in bucket.slots:
             s = layout.slots[i]
             lo = s.offset - bucket.start
-            flat[lo : lo + s.numel].copy_(s.param.detach().reshape(-1))
+            flat[lo : lo + s.numel].copy_(local(s.param).detach().reshape(-1))
         collectives.broadcast(flat, src, group, "broadcast of rank 0's starting weights")
         for i in bucket.slots:
             s = layout.slots[i]
             lo = s.offset - bucket.start
-            s.param.data.copy_(flat[lo : lo + s.numel].view(s.shape))
-    for b in module.buffers():
+            local(s.param).copy_(flat[lo : lo + s.numel].view(s.shape))
+    for b in map(local, module.buffers()):
         t = b.detach().to(device)
         collectives.broadcast(t, src, group, "broadcast of rank 0's buffers")
         b.data.copy_(t)

@@ -108,10 +108,14 @@ class Stepper:
 
     def global_norm(self, norm_type: float) -> float:
         """The norm of the whole gradient over all ranks (collective), unscaled."""
-        local = self.streamer.local_sq_sum() if norm_type == 2.0 else None
+        tp = self.layout.tp  # tensor parallelism: what every TP rank holds counts once
+        fast = norm_type == 2.0 and (tp is None or tp.counts_all)  # the device statistics
+        local = self.streamer.local_sq_sum() if fast else None
         if local is None:
+            grads = self.streamer.fold_last_flush()
             parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                     for g in self.streamer.fold_last_flush() if g.numel()]
+                     for g in (tp.counted(self.layout, grads, self.rank) if tp else grads)
+                     if g.numel()]
             if not parts:
                 local = torch.tensor(0.0)
             elif math.isinf(norm_type):
@@ -123,6 +127,9 @@ class Stepper:
             local = local.to(collectives.collective_device(self.group, self.weights.dev.device))
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             collectives.all_reduce(local, op, self.group, "all-reduce of the gradient norm")
+        if tp is not None and tp.size > 1:
+            local = tp.reduce_norm(local, dist.ReduceOp.MAX if math.isinf(norm_type) else
+                                   dist.ReduceOp.SUM)
         total = local.item()
         if not math.isinf(norm_type):
             total = total ** (1.0 / norm_type)

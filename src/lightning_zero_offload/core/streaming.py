@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core import collectives, tensor_parallel
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
@@ -157,7 +157,7 @@ class GradStreamer:
             self._next += 1
 
     def _add_to_bucket(self, i: int, slot: Slot, grad: Tensor) -> None:
-        b = slot.bucket
+        b, grad = slot.bucket, tensor_parallel.local_grad(slot.param, grad)  # DTensor: local
         buf = self._bufs[b]
         if buf is None:
             buf = self._bufs[b] = self._new_buffer(b)

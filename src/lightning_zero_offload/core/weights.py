@@ -24,6 +24,7 @@ from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.tensor_parallel import bind, local
 
 
 def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
@@ -65,8 +66,8 @@ class DeviceWeights:
         with torch.no_grad():
             for slot in layout.slots:  # each parameter's own storage goes once it is copied
                 view = self.live[slot.group][slot.offset : slot.offset + slot.numel]
-                view.copy_(slot.param.detach().reshape(-1))
-                slot.param.data = view.view(slot.shape)
+                view.copy_(local(slot.param).detach().reshape(-1))
+                bind(slot.param, view.view(slot.shape))  # a DTensor stays one
             self._bind()
             module.to(device=device, dtype=dtype)
         self.spare = [w.clone() for w in self.live] if delayed else None
@@ -83,14 +84,14 @@ class DeviceWeights:
     def _bind(self) -> None:
         for slot in self.layout.slots:
             flat = self.live[slot.group]
-            slot.param.data = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        self._ptrs = [s.param.data_ptr() for s in self.layout.slots]
+            bind(slot.param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
+        self._ptrs = [local(s.param).data_ptr() for s in self.layout.slots]
 
     def check_views(self) -> None:
         """Every trained parameter still views the flat buffer (``.to()``/``.half()`` after setup
         would have replaced it)."""
         for slot, ptr in zip(self.layout.slots, self._ptrs, strict=True):
-            if slot.param.data_ptr() != ptr:
+            if local(slot.param).data_ptr() != ptr:
                 raise RuntimeError(
                     f"ZeroOffload: parameter {slot.name!r} no longer lives in the engine's flat "
                     "buffer (was the module moved or cast with .to()/.float()/.half() after "
@@ -148,8 +149,8 @@ class DeviceWeights:
         with torch.no_grad():
             for slot in self.layout.slots:
                 flat = full_master[slot.group][slot.offset : slot.offset + slot.numel]
-                slot.param.data = flat.view(slot.shape).to(
-                    device, self.orig_dtypes[id(slot.param)], copy=True)
+                bind(slot.param, flat.view(slot.shape).to(
+                    device, self.orig_dtypes[id(slot.param)], copy=True))
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 if id(t) in self.frozen:
                     t.data = self.frozen[id(t)].to(device)

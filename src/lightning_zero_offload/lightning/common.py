@@ -142,9 +142,11 @@ class EngineOwner:
         # the strategy reports the precision in use (config.precision) from here on
         self.config = config = self.config.resolve_precision(precision, source=source)
         process_group = dist.group.WORLD if _distributed_is_initialized() else None
+        mesh = getattr(self, "device_mesh", None)  # tensor parallelism: the groups of the mesh
         # not kept in self.config: the next fit may accumulate differently
         self.engine = ZeroOffload(module, optimizer, config.resolve_accumulate(accumulate_steps),
-                                  process_group=process_group, device=device)
+                                  process_group=process_group if mesh is None else None,
+                                  device=device, device_mesh=mesh)
         return optimizer, self.engine
 
     def _stop_engine(self) -> None:

@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_zero_offload.core import ZeroOffloadConfig
 from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import checkpoint as ckpt
+from lightning_zero_offload.lightning import mesh as tp_mesh
 from lightning_zero_offload.lightning.common import (
     EngineOwner,
     broadcast_start_weights,
@@ -69,6 +70,12 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             the fp32 master weights under ``"state_dict"``, so ``load_from_checkpoint`` works
             without this strategy.
 
+        data_parallel_size, tensor_parallel_size: as in Lightning's ``ModelParallelStrategy``: a
+            2-D ``DeviceMesh`` ("data_parallel", "tensor_parallel") that ``configure_model`` gets
+            as ``self.device_mesh`` to parallelize itself (``parallelize_module``); the engine
+            partitions each rank's local tensor-parallel shards over the data-parallel group.
+            One "auto" is the rest of the processes; both "auto" (the default): data parallel
+            only, no mesh (``lightning_zero_offload.lightning.mesh``).
         timeout: of the process group the strategy starts (the framework's own collectives,
             such as Lightning's per-batch broadcast): default ``config.collective_timeout_s``,
             so a failed rank ends its peers within that time, not the usual 30 minutes.
@@ -93,6 +100,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         config: ZeroOffloadConfig | None = None,
         *,
         sharded_checkpoint: bool = False,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -105,6 +114,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     ) -> None:
         self._init_engine_owner(config, sharded_checkpoint, config_overrides)
         self._logged_profile = 0  # the engine step whose profile was logged last
+        self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
+        self._device_mesh: Any = None
         self._default_precision = ZeroOffloadPrecision("32-true")
         super().__init__(
             accelerator=accelerator,
@@ -147,6 +158,27 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         return self.precision_plugin.grad_norm
 
     # -- setup / teardown ----------------------------------------------------------------------
+
+    @property
+    def device_mesh(self) -> Any:
+        """The 2-D ``DeviceMesh`` (after the processes start) when a size was given, else None."""
+        return self._device_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._mesh_sizes != ("auto", "auto"):
+            sizes = tp_mesh.resolve_sizes(*self._mesh_sizes, self.world_size)
+            self._device_mesh = tp_mesh.build_mesh(self.root_device.type, *sizes)
+            if self.lightning_module is not None:  # configure_model's self.device_mesh
+                self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is None:
+            return super().distributed_sampler_kwargs
+        return tp_mesh.sampler_kwargs(self._device_mesh)
 
     @override
     def setup_distributed(self) -> None:

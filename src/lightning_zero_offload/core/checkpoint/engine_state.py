@@ -37,7 +37,16 @@ class EngineState:
         self.group_sizes = list(layout.group_sizes)
 
     # -- this rank's shard --------------------------------------------------------------------
+    def _no_tp(self) -> None:
+        tp = self.layout.tp
+        if tp is not None and tp.size > 1:
+            raise NotImplementedError(
+                f"ZeroOffload: checkpoints under tensor parallelism (tensor_parallel size "
+                f"{tp.size}) are not supported yet; gather the DTensor weights with "
+                "full_tensor() after teardown() to keep the trained model")
+
     def shard(self) -> dict:
+        self._no_tp()
         counters = self.stepper.state_dict()
         return {
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
@@ -54,6 +63,7 @@ class EngineState:
         }
 
     def load_shard(self, state: dict) -> None:
+        self._no_tp()
         if self._converts_layout(state):
             self._load_converted(state)
             return
@@ -127,6 +137,7 @@ class EngineState:
 
     def full(self, *, model: bool, optimizer: bool) -> dict:
         """Collective. See ``ZeroOffload.full_state_dict``."""
+        self._no_tp()
         flats = {"master": self.gather_full(self.host.master)} if model else {}
         if optimizer:
             m32, v32 = self.moments_fp32()
@@ -148,6 +159,7 @@ class EngineState:
         return full
 
     def load_full(self, state: dict) -> None:
+        self._no_tp()
         model, opt = validation.check_full(state, self)
         with torch.no_grad():
             self.module.load_state_dict(model, strict=True)
@@ -192,6 +204,7 @@ class EngineState:
              extra: dict[str, dict] | None = None) -> None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
         rank, and a failed save leaves nothing behind; an OS error names ``path``."""
+        self._no_tp()
         path = files.check_name(path)
         with files.writing(path):
             self._save(path, sharded, extra)
@@ -230,6 +243,7 @@ class EngineState:
         """Collective. What ``save`` wrote, at this or any other world size: everything is read
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
+        self._no_tp()
         loaded: list[tuple[str, dict]] = []
         self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]

@@ -1,0 +1,223 @@
+"""Tensor parallelism: a module whose parameters are DTensors over a 2-D ``DeviceMesh``.
+
+The engine treats such a module like any model, with each DTensor parameter's LOCAL shard as the
+parameter: the layout, ZeRO-2 partition and reduce-scatter work over the data-parallel group
+(the engine's process group), so host state per rank is 1/(DP x TP) of the model's. The global
+gradient norm adds the tensor-parallel group's sums, counting what every tensor-parallel rank
+holds whole (``Replicate()`` DTensors and plain parameters) once, from tensor-parallel rank 0.
+The parameters stay DTensors with their placements (``parallelize_module``'s hooks need them);
+their local tensors view the engine's flat buffers (:func:`bind`).
+
+Supported: ``ColwiseParallel``/``RowwiseParallel`` plans (``Shard(0)``/``Shard(1)`` weights,
+``Shard(0)`` or ``Replicate()`` biases) over the ``"tensor_parallel"`` dimension of a mesh
+``("data_parallel", "tensor_parallel")``. Refused at setup, by name: sequence parallelism, loss
+parallelism (DTensor outputs), other shardings, meshes of more than two dimensions.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard  # public from torch 2.4 (floor)
+
+from lightning_zero_offload.core import collectives
+
+DP, TP = "data_parallel", "tensor_parallel"
+
+
+def is_dtensor(t: object) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The plain tensor the engine manages: a DTensor's local shard, else ``t`` itself."""
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def local_grad(param: Tensor, grad: Tensor) -> Tensor:
+    """``param``'s gradient ``grad`` as the local shard of the parameter's own placements (a
+    ``Partial()`` gradient of a replicated parameter is reduced over its group first)."""
+    if not is_dtensor(grad):
+        return grad
+    if grad.placements != param.placements:  # type: ignore[union-attr]
+        grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore
+    return grad._local_tensor  # type: ignore[union-attr]
+
+
+@torch.no_grad()
+def bind(param: Tensor, view: Tensor) -> None:
+    """``param`` (a DTensor or plain parameter) now holds ``view`` (local shape) as its data.
+    A DTensor whose dtype and device stay only swaps its local tensor (cheap: the delayed
+    update's swap of buffers does it every step); otherwise it becomes, in place (the same
+    Python object, so the optimizer's references hold), a DTensor of ``view``'s dtype."""
+    if not is_dtensor(param):
+        param.data = view
+        return
+    old = param._local_tensor  # type: ignore[attr-defined]
+    if old.dtype == view.dtype and old.device == view.device:
+        param._local_tensor = view  # type: ignore[attr-defined]
+        return
+    new = DTensor.from_local(view, param.device_mesh, param.placements,  # type: ignore
+                             run_check=False, shape=param.shape, stride=param.stride())
+    torch.utils.swap_tensors(param, nn.Parameter(new, requires_grad=param.requires_grad))
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel side of a 2-D mesh, for the layout, norm and checkpoints."""
+
+    mesh: Any  # the 2-D DeviceMesh
+    tp_mesh: Any
+    rank: int  # this rank's tensor-parallel coordinate
+    size: int
+    whole: set[int] = field(default_factory=set)  # ids of parameters every TP rank holds whole
+
+    @property
+    def group(self) -> Any:
+        return self.tp_mesh.get_group()
+
+    @property
+    def counts_all(self) -> bool:
+        """Whether this rank's whole gradient shard counts in the global norm."""
+        return self.rank == 0 or not self.whole
+
+    def counted(self, layout: Any, sources: list[Tensor], rank: int) -> list[Tensor]:
+        """The parts of this rank's gradient shards (per bucket, ``sources``) that count in the
+        global norm: everything on tensor-parallel rank 0, the sharded parameters elsewhere."""
+        if self.counts_all:
+            return sources
+        out: list[Tensor] = []
+        for bucket, src in zip(layout.buckets, sources, strict=True):
+            a, z = bucket.shard_range(rank)
+            for i in bucket.slots:
+                s = layout.slots[i]
+                lo, hi = max(s.offset, a), min(s.offset + s.numel, z)
+                if lo < hi and id(s.param) not in self.whole:
+                    out.append(src[lo - a : hi - a])
+        return out
+
+    def reduce_norm(self, local_sum: Tensor, op: Any) -> Tensor:
+        """Collective over the tensor-parallel group: the norm's partial sums (or max) added."""
+        t = local_sum.to(collectives.collective_device(self.group, local_sum.device))
+        collectives.all_reduce(t, op, self.group, "all-reduce of the gradient norm over the "
+                               "tensor-parallel group")
+        return t
+
+
+def _style_error(module_name: str, hook: Any) -> str | None:
+    """What a ``parallelize_module`` hook of ``module_name`` does that the engine refuses."""
+    for cell in getattr(hook, "__closure__", None) or ():
+        try:
+            fn = cell.cell_contents
+        except ValueError:
+            continue
+        if not isinstance(fn, functools.partial):
+            continue
+        style, _, what = getattr(fn.func, "__qualname__", "").partition(".")
+        if style == "SequenceParallel":
+            return f"SequenceParallel on {module_name!r}: sequence parallelism"
+        layouts = [p for a in fn.args if isinstance(a, tuple) for p in a]
+        sharded = any(isinstance(p, Shard) for p in layouts)
+        if style == "ColwiseParallel" and what == "_prepare_input_fn" and sharded:
+            return (f"ColwiseParallel(input_layouts=Shard(...)) on {module_name!r}: sequence "
+                    "parallelism")
+        if style in ("ColwiseParallel", "RowwiseParallel") and what == "_prepare_output_fn":
+            if False in fn.args:
+                return (f"{style}(use_local_output=False) on {module_name!r}: DTensor outputs "
+                        "(loss parallelism)")
+            if style == "RowwiseParallel" and sharded:
+                return (f"RowwiseParallel(output_layouts=Shard(...)) on {module_name!r}: "
+                        "sequence parallelism")
+    return None
+
+
+def _check_plan(module: nn.Module, tp_mesh: Any) -> set[int]:
+    """Refuse what is not supported (by name); return the ids of the parameters held whole."""
+    for name, m in module.named_modules():
+        for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
+            problem = _style_error(name or "module", hook)
+            if problem is not None:
+                raise ValueError(f"ZeroOffload: {problem} is not supported with ZeRO-Offload; "
+                                 "use ColwiseParallel/RowwiseParallel with their default "
+                                 "layouts (replicated activations between blocks)")
+    whole = set()
+    for name, p in module.named_parameters():
+        if not is_dtensor(p):
+            whole.add(id(p))
+            continue
+        pm = p.device_mesh  # type: ignore[attr-defined]
+        if pm.mesh_dim_names != (TP,) or pm.mesh.tolist() != tp_mesh.mesh.tolist():
+            raise ValueError(
+                f"ZeroOffload: parameter {name!r} is a DTensor over mesh {pm.mesh.tolist()} "
+                f"{pm.mesh_dim_names}; only tensor parallelism over the mesh's {TP!r} dimension "
+                "is supported (not FSDP's fully_shard: ZeRO-Offload partitions the data-parallel "
+                "dimension itself)")
+        place = p.placements[0]  # type: ignore[attr-defined]
+        if isinstance(place, Replicate):
+            whole.add(id(p))
+        elif not (isinstance(place, Shard) and place.dim in ((0, 1) if p.dim() == 2 else (0,))):
+            raise ValueError(
+                f"ZeroOffload: parameter {name!r} ({p.dim()}-D) has placement {place!r}; supported "
+                "are the shardings of ColwiseParallel/RowwiseParallel (Shard(0) or Shard(1) of a "
+                "weight, Shard(0) of a bias) and Replicate()")
+    return whole
+
+
+def _agree(module: nn.Module, mesh: Any) -> None:
+    """Collective over every process: the same mesh and placements (local shapes follow)."""
+    desc = [f"mesh {tuple(mesh.mesh.shape)} {mesh.mesh_dim_names} {mesh.mesh.tolist()}"]
+    desc += [f"parameter {n!r}: {tuple(p.shape)} {getattr(p, 'placements', 'plain')} "
+             f"local {tuple(local(p).shape)}" for n, p in module.named_parameters()]
+    mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), desc)
+    every: list = [None] * dist.get_world_size()
+    collectives.run("setup check of the device mesh", lambda: dist.all_gather_object(every, mine))
+    for r, (digest, other) in enumerate(every):
+        if digest != every[0][0]:
+            diff = next((f"{b} where rank 0 has {a}" for a, b in zip(every[0][1], other,
+                                                                      strict=False) if a != b),
+                        f"{len(other)} parameters where rank 0 has {len(every[0][1])}")
+            raise ValueError(f"ZeroOffload: the ranks' device meshes or tensor-parallel plans "
+                             f"differ: rank {r} has {diff}. Build the same mesh and call "
+                             "parallelize_module with the same plan on every rank.")
+
+
+def setup(module: nn.Module, device_mesh: Any, process_group: Any
+          ) -> tuple[TensorParallel | None, Any]:
+    """``(tensor-parallel side or None, the data-parallel process group)`` for the engine."""
+    if device_mesh is None:
+        bad = next((n for n, p in module.named_parameters() if is_dtensor(p)), None)
+        if bad is not None:
+            raise ValueError(f"ZeroOffload: parameter {bad!r} is a DTensor; pass the 2-D mesh "
+                             f"as ZeroOffload(..., device_mesh=mesh) with dimensions {(DP, TP)}")
+        return None, process_group
+    if process_group is not None:
+        raise ValueError("ZeroOffload: pass device_mesh= or process_group=, not both (the "
+                         f"mesh's {DP!r} dimension is the data-parallel group)")
+    names = tuple(device_mesh.mesh_dim_names or ())
+    if device_mesh.ndim == 1:
+        setup(module, None, None)  # DTensor parameters need the 2-D mesh
+        return None, device_mesh.get_group()
+    if device_mesh.ndim > 2 or names != (DP, TP):
+        raise ValueError(
+            f"ZeroOffload: device_mesh has {device_mesh.ndim} dimensions {names}; supported are "
+            f"a 1-D data-parallel mesh or a 2-D mesh with dimensions {(DP, TP)} (pipeline "
+            "parallelism and meshes of more dimensions are not supported)")
+    tp_mesh = device_mesh[TP]
+    tp = TensorParallel(device_mesh, tp_mesh, tp_mesh.get_local_rank(), tp_mesh.size(),
+                        _check_plan(module, tp_mesh))
+    _agree(module, device_mesh)
+    if tp.size > 1:  # what every tensor-parallel rank holds whole starts from TP rank 0's values
+        src = dist.get_global_rank(tp.group, 0)
+        with torch.no_grad():
+            for p in [*module.parameters(), *module.buffers()]:
+                if id(p) in tp.whole or (not is_dtensor(p) and p.is_floating_point()):
+                    t = local(p).detach().to(collectives.collective_device(tp.group, p.device))
+                    collectives.broadcast(t, src, tp.group, "broadcast of replicated weights")
+                    local(p).copy_(t)
+    return tp, device_mesh[DP].get_group()

@@ -1,0 +1,54 @@
+"""The 2-D device mesh of the strategies: ``data_parallel_size`` x ``tensor_parallel_size``, with
+``ModelParallelStrategy``'s argument names and dimension names (``"data_parallel"``,
+``"tensor_parallel"``), so a LightningModule written for that strategy (its ``configure_model``
+parallelizes itself over ``self.device_mesh["tensor_parallel"]``) runs here unchanged.
+
+"auto" differs in one place: with both sizes "auto" the run stays data-parallel only (tensor
+parallel size 1), as the strategy always was; with one size given, "auto" is the rest of the
+world (``ModelParallelStrategy`` would put every device of a node into one tensor-parallel
+group by default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from lightning_zero_offload.core.tensor_parallel import DP, TP
+
+Size = Literal["auto"] | int
+
+
+def resolve_sizes(data_parallel_size: Size, tensor_parallel_size: Size,
+                  world_size: int) -> tuple[int, int]:
+    """``(data-parallel size, tensor-parallel size)`` for ``world_size`` processes."""
+    for name, v in (("data_parallel_size", data_parallel_size),
+                    ("tensor_parallel_size", tensor_parallel_size)):
+        if v != "auto" and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"ZeroOffloadStrategy: {name} must be 'auto' or a positive int, "
+                             f"got {v!r}")
+    dp, tp = data_parallel_size, tensor_parallel_size
+    if tp == "auto":
+        tp = 1 if dp == "auto" else world_size // int(dp)
+    if dp == "auto":
+        dp = world_size // int(tp)
+    dp, tp = int(dp), int(tp)
+    if dp * tp != world_size:
+        raise ValueError(
+            f"ZeroOffloadStrategy: data_parallel_size={data_parallel_size!r} x "
+            f"tensor_parallel_size={tensor_parallel_size!r} must equal the number of processes "
+            f"({world_size} = devices x num_nodes); got {dp} x {tp}")
+    return dp, tp
+
+
+def build_mesh(device_type: str, dp: int, tp: int) -> Any:
+    """The mesh over every process (collective: after the process group exists)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=(DP, TP))
+
+
+def sampler_kwargs(mesh: Any) -> dict[str, int]:
+    """The DistributedSampler's part: tensor-parallel ranks of one data-parallel rank read the
+    same batches."""
+    sub = mesh[DP]
+    return {"num_replicas": sub.size(), "rank": sub.get_local_rank()}

@@ -1,0 +1,102 @@
+"""``ZeroOffloadStrategy(tensor_parallel_size=2)`` on 4 CPU processes: a LightningModule written
+for ``ModelParallelStrategy`` (``configure_model`` parallelizes itself over
+``self.device_mesh["tensor_parallel"]``) ends where the plain single-process run ends."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _tiny_llama import SEQ, VOCAB, lm_loss, make, parallelize, param_groups
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero_offload import ZeroOffloadStrategy
+from lightning_zero_offload.lightning import mesh as tp_mesh
+
+STEPS, ACCUM, BATCH = 5, 2, 2  # BATCH per data-parallel rank and micro-batch
+
+
+class Llama(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make(0)
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:  # as under ModelParallelStrategy
+            parallelize(self.model, self.device_mesh["tensor_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return lm_loss(self.model(tokens[:, :-1]), tokens[:, 1:])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(param_groups(self.model), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        """Fixed data; data-parallel rank r of 2 reads samples r, r + 2, ... (what one process
+        reads as batches of twice the size), its tensor-parallel peers the same ones."""
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, VOCAB, (STEPS * ACCUM * 2 * BATCH, SEQ + 1), generator=g)
+        if self.device_mesh is None:
+            return DataLoader(TensorDataset(tokens), batch_size=2 * BATCH)
+        dp = self.device_mesh["data_parallel"]
+        mine = tokens[dp.get_local_rank()::dp.size()]
+        return DataLoader(TensorDataset(mine), batch_size=BATCH)
+
+
+def _fit(strategy: object, root: str, **kw) -> Llama:
+    module = Llama()
+    trainer = Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS,  # type: ignore
+                      accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, precision="32-true",
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=root,
+                      use_distributed_sampler=False, **kw)
+    trainer.fit(module)
+    return module
+
+
+def _full(module: Llama) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in module.model.named_parameters()}
+
+
+def _fit_tp(rank: int, world: int, root: str, port: int) -> dict:
+    """One of 4 processes of a torchrun-style launch (Lightning starts the process group)."""
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    strategy = ZeroOffloadStrategy(tensor_parallel_size=2)
+    module = _fit(strategy, f"{root}/{rank}", devices=4)
+    mesh = strategy.device_mesh
+    return {"weights": _full(module), "mesh": tuple(mesh.mesh.shape), "rank": rank,
+            "sampler": strategy.distributed_sampler_kwargs,
+            "dtensor": type(module.model.layers[0].attn.wq.weight).__name__}
+
+
+@pytest.mark.slow
+def test_trainer_tensor_parallel_2_on_4_processes_equals_the_plain_run(tmp_path):
+    from _dist import free_port, run_ranks
+
+    got = run_ranks(_fit_tp, 4, str(tmp_path), free_port(), timeout=400)
+    plain = _full(_fit("auto", str(tmp_path / "plain"), devices=1))
+    start = {n: p.detach().clone() for n, p in make(0).named_parameters()}
+    num = sum(float((plain[k] - start[k]).norm() ** 2) for k in start) ** 0.5
+    assert num / sum(float(v.norm() ** 2) for v in start.values()) ** 0.5 > 1e-2  # it trained
+    for r in got:
+        assert r["mesh"] == (2, 2) and r["dtensor"] == "DTensor"
+        assert r["sampler"] == {"num_replicas": 2, "rank": r["rank"] // 2}  # the DP coordinate
+        err = sum(float((r["weights"][k] - plain[k]).norm() ** 2) for k in plain) ** 0.5
+        rel = err / sum(float(v.norm() ** 2) for v in plain.values()) ** 0.5
+        print("lightning tp rel", rel)
+        assert rel < 5e-5
+
+
+def test_mesh_sizes_resolve_like_model_parallel_strategy():
+    assert tp_mesh.resolve_sizes("auto", 2, 4) == (2, 2)
+    assert tp_mesh.resolve_sizes(1, "auto", 4) == (1, 4)
+    assert tp_mesh.resolve_sizes("auto", "auto", 4) == (4, 1)  # data parallel only
+    with pytest.raises(ValueError, match="must equal the number of processes"):
+        tp_mesh.resolve_sizes(3, 2, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 'auto' or a positive"):
+        tp_mesh.resolve_sizes("auto", 0, 4)

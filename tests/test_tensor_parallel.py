@@ -1,0 +1,259 @@
+"""Tensor parallelism with ZeRO-Offload: a tiny Llama-style model with ColwiseParallel/
+RowwiseParallel plans over a 2-D ``DeviceMesh`` ("data_parallel", "tensor_parallel") on 4 gloo
+processes, against torch's own AdamW + clip_grad_norm_ on one process and against the engine
+on 4 data-parallel ranks without tensor parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import run_ranks
+from _tiny_llama import batch, lm_loss, make, parallelize, param_groups
+from torch import nn
+
+from lightning_zero_offload import ZeroOffload
+
+STEPS, ACCUM, LR = 5, 2, 1e-2
+
+
+def _mesh(dp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (DTensors gathered: collective over the tensor-parallel group)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def _engine(dp: int, tp: int, lr: float = LR, **cfg) -> ZeroOffload:
+    mesh = _mesh(dp, tp)
+    model = make(0)
+    if tp > 1:
+        parallelize(model, mesh["tensor_parallel"])
+    opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
+    cfg = {"max_grad_norm": 1.0, "bucket_size_mb": 0.002, "device": "cpu", **cfg}
+    return ZeroOffload(model, opt, device_mesh=mesh, **cfg)
+
+
+def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
+    """``STEPS`` steps of ``ACCUM`` micro-batches; every rank of the (dp, tp) mesh returns the
+    whole weights after teardown. With dp=4 each data-parallel pair of ranks splits what one
+    rank of dp=2 sees (the same global batches)."""
+    engine = _engine(dp, tp, **cfg)
+    coord = engine.tp.rank if engine.tp is not None else 0
+    part = engine.rank if dp <= 2 else engine.rank // 2
+    norms = []
+    for step in range(STEPS):
+        for m in range(ACCUM):
+            x, y = batch(step, m, part)
+            if dp == 4:
+                x, y = x.chunk(2)[engine.rank % 2], y.chunk(2)[engine.rank % 2]
+            engine.backward(lm_loss(engine.module(x), y) / ACCUM,
+                            sync_gradients=m == ACCUM - 1)
+        norms.append(float(engine.step()))  # type: ignore[arg-type]
+        engine.zero_grad()
+    engine.teardown()
+    return {"weights": _full(engine.module), "tp_rank": coord, "norms": norms}
+
+
+def _reference(lr: float = LR, norms: list | None = None) -> dict[str, torch.Tensor]:
+    """One process, no engine: torch.optim.AdamW + clip_grad_norm_ on the same global batches
+    (``norms`` gets each step's pre-clip norm)."""
+    model = make(0)
+    opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
+    for step in range(STEPS):
+        for part in range(2):
+            for m in range(ACCUM):
+                x, y = batch(step, m, part)
+                (lm_loss(model(x), y) / (ACCUM * 2)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if norms is not None:
+            norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _rel(got: dict, want: dict) -> float:
+    assert got.keys() == want.keys()
+    num = sum(float((got[k] - want[k]).norm() ** 2) for k in want) ** 0.5
+    return num / sum(float(want[k].norm() ** 2) for k in want) ** 0.5
+
+
+def _moved(got: dict, start: dict) -> float:
+    return _rel(got, start)
+
+
+def test_dp2_tp2_fp32_equals_torch_adamw():
+    out = run_ranks(_train, 4, 2, 2, {"precision": "32-true"})
+    norms: list[float] = []
+    want = _reference(norms=norms)
+    assert _moved(want, _full(make(0))) > 1e-2  # the run does change the weights
+    for r in out:
+        assert _rel(r["weights"], want) < 5e-5
+        # the global norm: both dimensions, replicated parameters once
+        assert r["norms"] == pytest.approx(norms, rel=1e-5)
+    assert {r["tp_rank"] for r in out} == {0, 1}
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_dp2_tp2_bf16_equals_four_data_parallel_ranks(delayed):
+    # lr 3e-3: at 1e-2 bf16 alone puts either run about 3.5e-3 from the fp32 reference
+    cfg = {"precision": "bf16-mixed", "delayed_update": delayed, "delayed_update_warmup": 2,
+           "lr": 3e-3}
+    tp = run_ranks(_train, 4, 2, 2, cfg)
+    dp = run_ranks(_train, 4, 4, 1, cfg)
+    assert _rel(tp[0]["weights"], _full(make(0))) > 1e-2
+    for r in tp:
+        assert _rel(r["weights"], dp[0]["weights"]) < 2e-3
+
+
+_STATE = ("master", "moments", "grad_fp32", "staging")  # host state (not the CPU's "device")
+
+
+def _host_state(rank: int, world: int, dp: int, tp: int) -> dict:
+    mesh = _mesh(dp, tp)
+    model = make(0, dim=128, vocab=256)
+    if tp > 1:
+        parallelize(model, mesh["tensor_parallel"])
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    engine = ZeroOffload(model, opt, device_mesh=mesh, device="cpu", precision="32-true",
+                         accumulate=True)
+    parts = dict(engine.host_budget)
+    engine.teardown(copy_weights_to_module=False)
+    return parts
+
+
+def test_host_state_per_rank_at_dp2_tp2_is_a_quarter():
+    one = run_ranks(_host_state, 1, 1, 1)[0]
+    four = run_ranks(_host_state, 4, 2, 2)
+    whole = sum(one[k] for k in _STATE)
+    assert one["master"] > 4 * 100_000  # the whole model's fp32 master on the single rank
+    for parts in four:
+        ratio = sum(parts[k] for k in _STATE) / whole
+        assert abs(ratio - 0.25) < 0.25 * 0.02
+
+
+# -- what is refused at setup -------------------------------------------------------------------
+
+def _unsupported(rank: int, world: int) -> dict[str, str]:
+    """The setup error of each unsupported option, on a (1, 1) mesh (one process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    def plan(extra: dict):
+        def build(mesh):
+            model = parallelize(make(0), mesh["tensor_parallel"], ends=False)
+            parallelize_module(model, mesh["tensor_parallel"], extra)
+            return model
+        return build
+
+    def shard2(mesh):
+        model = make(0)
+        model.extra = nn.Parameter(distribute_tensor(torch.randn(2, 2, 4),
+                                                     mesh["tensor_parallel"], [Shard(2)]))
+        return model
+
+    cases = {
+        "sequence_parallel": plan({"layers.0.attn_norm": SequenceParallel()}),
+        "colwise_sharded_input": plan({"output": ColwiseParallel(input_layouts=Shard(1))}),
+        "rowwise_sharded_output": plan({"output": RowwiseParallel(output_layouts=Shard(1))}),
+        "loss_parallel": plan({"output": ColwiseParallel(output_layouts=Shard(-1),
+                                                          use_local_output=False)}),
+        "shard_dim": shard2,
+    }
+    mesh = _mesh(1, 1)
+    out = {}
+    for name, build in cases.items():
+        model = build(mesh)
+        with pytest.raises(ValueError) as e:
+            ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=mesh,
+                        device="cpu")
+        out[name] = str(e.value)
+    mesh3 = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("pp", "data_parallel",
+                                                               "tensor_parallel"))
+    names = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    for name, m, kw in (("three_dims", mesh3, {}), ("dim_names", names, {}),
+                        ("no_mesh", None, {}), ("both", mesh, {"process_group": 1})):
+        model = parallelize(make(0), mesh["tensor_parallel"])
+        with pytest.raises(ValueError) as e:
+            ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=m,
+                        device="cpu", **kw)
+        out[name] = str(e.value)
+    # a 1-D mesh is the data-parallel group, as a process group is
+    model = make(0)
+    flat = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+    ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=flat,
+                device="cpu").teardown()
+    return out
+
+
+_REFUSED = {
+    "sequence_parallel": "SequenceParallel on 'layers.0.attn_norm': sequence parallelism",
+    "colwise_sharded_input": "ColwiseParallel(input_layouts=Shard(...)) on 'output'",
+    "rowwise_sharded_output": "RowwiseParallel(output_layouts=Shard(...)) on 'output'",
+    "loss_parallel": "use_local_output=False) on 'output': DTensor outputs (loss parallelism)",
+    "shard_dim": "parameter 'extra' (3-D) has placement Shard(dim=2)",
+    "three_dims": "device_mesh has 3 dimensions",
+    "dim_names": "dimensions ('dp', 'tp')",
+    "no_mesh": "pass the 2-D mesh as ZeroOffload(..., device_mesh=mesh)",
+    "both": "pass device_mesh= or process_group=, not both",
+}
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, str]:
+    return run_ranks(_unsupported, 1)[0]
+
+
+@pytest.mark.parametrize("case", sorted(_REFUSED))
+def test_unsupported_option_is_refused_at_setup(refused, case):
+    assert _REFUSED[case] in refused[case]
+
+
+def _different_plans(rank: int, world: int) -> str:
+    """Rank 1 shards wq row-wise where the others shard it column-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = _mesh(1, 2)
+    model = make(0)
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for layer in model.layers:
+        style = RowwiseParallel() if rank == 1 else ColwiseParallel()
+        parallelize_module(layer, mesh["tensor_parallel"], {"attn.wq": style})
+    with pytest.raises(ValueError) as e:
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=mesh, device="cpu")
+    return str(e.value)
+
+
+def _checkpoint_refused(rank: int, world: int) -> list[str]:
+    engine = _engine(1, 2)
+    out = []
+    for call in (engine.state_dict, engine.full_state_dict,
+                 lambda: engine.save_checkpoint("/nonexistent/tp-ckpt")):
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        out.append(str(e.value))
+    engine.teardown()
+    return out
+
+
+def test_checkpoints_under_tensor_parallelism_are_refused():
+    for msgs in run_ranks(_checkpoint_refused, 2):
+        assert all("checkpoints under tensor parallelism" in m for m in msgs)
+
+
+def test_ranks_with_different_plans_fail_setup_on_every_rank():
+    for msg in run_ranks(_different_plans, 2):
+        assert "the ranks' device meshes or tensor-parallel plans differ: rank 1 has" in msg
+        assert "layers.0.attn.wq.weight" in msg and "Shard(dim=1)" in msg
