@@ -349,7 +349,8 @@ def markdown(results: dict) -> str:
              "| host GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["throughput"]:
         base = r.get("peers", {}).get("torch_bf16_master", {}).get("tokens_per_s")
-        size, n = r["job"]["size"], f"{r['n_params'] / 1e9:.2f}B"
+        size = r["job"]["size"]  # a job that timed out or crashed has only the parent's record
+        n = f"{r.get('n_params', gpt_config(size).n_params) / 1e9:.2f}B"
         if "peers" not in r:
             lines.append(f"| {size} | {n} | | all | {r.get('error', '')[:60]} | | | | |")
         for peer, m in r.get("peers", {}).items():

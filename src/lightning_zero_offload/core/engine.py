@@ -95,9 +95,9 @@ class ZeroOffload:
         self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)  # (their fp32 storage goes), then the rest
-        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master,
-                                        check_memory=config.check_host_memory, **kw)
-        host.budget = self.host_budget
+        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master, **kw,
+                                        check_memory=config.check_host_memory,
+                                        budget=self.host_budget)
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
         self._timer = PassTimer(self._profile)

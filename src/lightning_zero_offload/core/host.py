@@ -254,10 +254,10 @@ class HostBuffers:
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
                  delayed: bool, pinned: bool, moment_dtype: str = "fp32", rank: int = 0,
                  accumulate: bool | None = False, check_memory: bool = False,
-                 master: list[Tensor] | None = None) -> None:
+                 master: list[Tensor] | None = None, budget: dict[str, int] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
-        self.budget: dict[str, int] | None = None  # the engine's host_budget, kept equal to it
+        self.budget = budget  # the engine's host_budget: a lazy fp32 gradient enters it
         half = dtype != torch.float32
         n = layout.group_shard_numel
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
