@@ -124,6 +124,30 @@ def same_state(a: dict, b: dict) -> bool:
                     for ga, gb in zip(a["groups"], b["groups"], strict=True)))
 
 
+def equal_nested(a: object, b: object) -> bool:
+    """Whether two nested dicts/lists of tensors and plain values are equal to the bit (a
+    state_dict, a shard, a consolidated checkpoint)."""
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(equal_nested(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(equal_nested(x, y) for x, y in zip(a, b, strict=True)))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and torch.equal(a, b))
+    return a == b
+
+
+def clone_nested(obj: object) -> object:
+    """A copy of a nested dict/list whose tensors are cloned (a shard of live buffers)."""
+    if isinstance(obj, dict):
+        return {k: clone_nested(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_nested(v) for v in obj]
+    return obj.clone() if isinstance(obj, torch.Tensor) else obj
+
+
 class Payload:
     """Unpickling this runs code (touches a file): what a crafted checkpoint would do."""
 

@@ -46,7 +46,8 @@ class Llama(LightningModule):
         return DataLoader(TensorDataset(mine), batch_size=BATCH)
 
 
-def _fit(strategy: object, root: str, **kw) -> Llama:
+def _fit(strategy: object, root: str, save: str | None = None, **kw) -> Llama:
+    """``fit``, then (``save``) a checkpoint of the trained run at that path."""
     module = Llama()
     trainer = Trainer(strategy=strategy, accelerator="cpu", max_steps=STEPS,  # type: ignore
                       accumulate_grad_batches=ACCUM, gradient_clip_val=1.0, precision="32-true",
@@ -54,6 +55,8 @@ def _fit(strategy: object, root: str, **kw) -> Llama:
                       enable_model_summary=False, default_root_dir=root,
                       use_distributed_sampler=False, **kw)
     trainer.fit(module)
+    if save is not None:
+        trainer.save_checkpoint(save)  # collective
     return module
 
 
@@ -67,7 +70,7 @@ def _fit_tp(rank: int, world: int, root: str, port: int) -> dict:
     torch.distributed.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port)
     strategy = ZeroOffloadStrategy(tensor_parallel_size=2)
-    module = _fit(strategy, f"{root}/{rank}", devices=4)
+    module = _fit(strategy, f"{root}/{rank}", save=f"{root}/tp.ckpt", devices=4)
     mesh = strategy.device_mesh
     return {"weights": _full(module), "mesh": tuple(mesh.mesh.shape), "rank": rank,
             "sampler": strategy.distributed_sampler_kwargs,
@@ -90,6 +93,11 @@ def test_trainer_tensor_parallel_2_on_4_processes_equals_the_plain_run(tmp_path)
         rel = err / sum(float(v.norm() ** 2) for v in plain.values()) ** 0.5
         print("lightning tp rel", rel)
         assert rel < 5e-5
+    # the consolidated checkpoint: whole tensors, loaded without the strategy or a mesh
+    loaded = Llama.load_from_checkpoint(str(tmp_path / "tp.ckpt"))
+    assert type(loaded.model.layers[0].attn.wq.weight).__name__ == "Parameter"
+    assert all(torch.equal(v, got[0]["weights"][k]) for k, v in _full(loaded).items())
+    assert _full(loaded).keys() == got[0]["weights"].keys()
 
 
 def test_mesh_sizes_resolve_like_model_parallel_strategy():

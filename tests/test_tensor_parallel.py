@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
+from _helpers import clone_nested, equal_nested, total_rel_err
 from _tiny_llama import batch, lm_loss, make, parallelize, param_groups
 from torch import nn
 
@@ -38,15 +39,12 @@ def _engine(dp: int, tp: int, lr: float = LR, **cfg) -> ZeroOffload:
     return ZeroOffload(model, opt, device_mesh=mesh, **cfg)
 
 
-def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
-    """``STEPS`` steps of ``ACCUM`` micro-batches; every rank of the (dp, tp) mesh returns the
-    whole weights after teardown. With dp=4 each data-parallel pair of ranks splits what one
-    rank of dp=2 sees (the same global batches)."""
-    engine = _engine(dp, tp, **cfg)
-    coord = engine.tp.rank if engine.tp is not None else 0
+def _steps(engine: ZeroOffload, dp: int, steps: range) -> list[float]:
+    """The global batches of ``steps``, ``ACCUM`` micro-batches each; returns the step norms.
+    With dp=4 each data-parallel pair of ranks splits what one rank of dp=2 sees."""
     part = engine.rank if dp <= 2 else engine.rank // 2
     norms = []
-    for step in range(STEPS):
+    for step in steps:
         for m in range(ACCUM):
             x, y = batch(step, m, part)
             if dp == 4:
@@ -55,16 +53,26 @@ def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
                             sync_gradients=m == ACCUM - 1)
         norms.append(float(engine.step()))  # type: ignore[arg-type]
         engine.zero_grad()
+    return norms
+
+
+def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
+    """``STEPS`` steps; every rank of the (dp, tp) mesh returns the whole weights after
+    teardown."""
+    engine = _engine(dp, tp, **cfg)
+    coord = engine.tp.rank if engine.tp is not None else 0
+    norms = _steps(engine, dp, range(STEPS))
     engine.teardown()
     return {"weights": _full(engine.module), "tp_rank": coord, "norms": norms}
 
 
-def _reference(lr: float = LR, norms: list | None = None) -> dict[str, torch.Tensor]:
+def _reference(lr: float = LR, norms: list | None = None, steps: int = STEPS
+               ) -> dict[str, torch.Tensor]:
     """One process, no engine: torch.optim.AdamW + clip_grad_norm_ on the same global batches
     (``norms`` gets each step's pre-clip norm)."""
     model = make(0)
     opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
-    for step in range(STEPS):
+    for step in range(steps):
         for part in range(2):
             for m in range(ACCUM):
                 x, y = batch(step, m, part)
@@ -79,8 +87,7 @@ def _reference(lr: float = LR, norms: list | None = None) -> dict[str, torch.Ten
 
 def _rel(got: dict, want: dict) -> float:
     assert got.keys() == want.keys()
-    num = sum(float((got[k] - want[k]).norm() ** 2) for k in want) ** 0.5
-    return num / sum(float(want[k].norm() ** 2) for k in want) ** 0.5
+    return total_rel_err(got, want)
 
 
 def _moved(got: dict, start: dict) -> float:
@@ -236,21 +243,102 @@ def _different_plans(rank: int, world: int) -> str:
     return str(e.value)
 
 
-def _checkpoint_refused(rank: int, world: int) -> list[str]:
-    engine = _engine(1, 2)
-    out = []
-    for call in (engine.state_dict, engine.full_state_dict,
-                 lambda: engine.save_checkpoint("/nonexistent/tp-ckpt")):
-        with pytest.raises(NotImplementedError) as e:
-            call()
-        out.append(str(e.value))
+# -- checkpoints --------------------------------------------------------------------------------
+SAVED_AT = 3  # steps before the save; the runs go on to STEPS
+
+
+def _finish(engine: ZeroOffload, dp: int) -> dict[str, torch.Tensor]:
+    _steps(engine, dp, range(SAVED_AT, STEPS))
     engine.teardown()
+    return _full(engine.module)
+
+
+def _checkpoints(rank: int, world: int, root: str, cfg: dict) -> dict:
+    """At (2, 2): train, save sharded and consolidated, go on; then fresh engines load them:
+    the sharded one and the consolidated one at (2, 2), the consolidated one at (4, 1)."""
+    from lightning_zero_offload.core.checkpoint import CheckpointError, files
+
+    a = _engine(2, 2, **cfg)
+    _steps(a, 2, range(SAVED_AT))
+    before = clone_nested(a.state_dict())
+    a.save_checkpoint(f"{root}/sharded")
+    a.save_checkpoint(f"{root}/full.pt", sharded=False)
+    out: dict = {"straight": _finish(a, 2)}
+    full = files.load_file(f"{root}/full.pt")  # checksum verified and removed
+    b = _engine(2, 2, **cfg)
+    b.load_checkpoint(f"{root}/sharded")
+    out["shard_restored"] = equal_nested(b.state_dict(), before)
+    out["sharded"] = _finish(b, 2)
+    for name, (dp, tp) in {"full_2x2": (2, 2), "full_4x1": (4, 1)}.items():
+        e = _engine(dp, tp, **cfg)
+        e.load_checkpoint(f"{root}/full.pt")
+        out[f"{name}_restored"] = equal_nested(e.full_state_dict(), full)
+        out[name] = _finish(e, dp)
+    e = _engine(4, 1, **cfg)
+    with pytest.raises(CheckpointError) as err:
+        e.load_checkpoint(f"{root}/sharded")
+    out["refused"] = str(err.value)
+    out["restored_after_refusal"] = equal_nested(e.full_state_dict()["model"], _full(make(0)))
+    e.teardown()
     return out
 
 
-def test_checkpoints_under_tensor_parallelism_are_refused():
-    for msgs in run_ranks(_checkpoint_refused, 2):
-        assert all("checkpoints under tensor parallelism" in m for m in msgs)
+def _consolidated_on_one(rank: int, world: int, root: str, cfg: dict) -> dict:
+    """The consolidated checkpoint in a (1, 1) run and in a plain model without the engine."""
+    from lightning_zero_offload.core.checkpoint import files
+
+    full = files.load_file(f"{root}/full.pt")
+    e = _engine(1, 1, **cfg)
+    e.load_checkpoint(f"{root}/full.pt")
+    out = {"restored": equal_nested(e.full_state_dict(), full), "model": full["model"]}
+    plain = make(0)
+    plain.load_state_dict(full["model"])  # the plain state dict: whole tensors, no strategy
+    out["plain"] = _full(plain)
+    e.teardown(copy_weights_to_module=False)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [{"precision": "32-true"},
+                                 {"precision": "bf16-mixed", "delayed_update": True,
+                                  "delayed_update_warmup": 1, "lr": 3e-3}],
+                         ids=["32-true", "bf16-delayed"])
+def test_checkpoints_at_dp2_tp2_resume_exactly_and_consolidated_loads_anywhere(tmp_path, cfg):
+    out = run_ranks(_checkpoints, 4, str(tmp_path), cfg, timeout=400)
+    one = run_ranks(_consolidated_on_one, 1, str(tmp_path), cfg)[0]
+    for r in out:
+        assert r["shard_restored"] and r["full_2x2_restored"] and r["full_4x1_restored"]
+        # resumed at the same mesh: bit for bit what the run that went straight on reached
+        assert equal_nested(r["sharded"], r["straight"])
+        assert equal_nested(r["full_2x2"], r["straight"])
+        # at another mesh: the same training (another reduction order)
+        assert _rel(r["full_4x1"], r["straight"]) < (5e-5 if cfg["precision"] == "32-true"
+                                                     else 2e-3)
+        assert "written with mesh (data_parallel, tensor_parallel) = (2, 2)" in r["refused"]
+        assert "resumes only at the mesh that wrote it" in r["refused"]
+        assert r["restored_after_refusal"]  # the refused load changed nothing
+    assert one["restored"]
+    assert equal_nested(one["plain"], one["model"])
+    assert _rel(one["model"], out[0]["straight"]) > 1e-3  # saved before the last steps
+    if cfg["precision"] == "32-true":  # the whole tensors are torch's AdamW's after 3 steps
+        assert _rel(one["model"], _reference(steps=SAVED_AT)) < 5e-5
+
+
+def _consolidate_tp(rank: int, world: int, root: str) -> str:
+    from lightning_zero_offload.core.checkpoint import files, formats
+
+    e = _engine(1, 2)
+    _steps(e, 1, range(1))
+    e.save_checkpoint(f"{root}/sharded")
+    e.teardown(copy_weights_to_module=False)
+    with pytest.raises(formats.CheckpointError) as err:
+        formats.consolidate(files.read_shard_dir(files.resolve(f"{root}/sharded")))
+    return str(err.value)
+
+
+def test_tensor_parallel_shards_are_not_consolidated_offline(tmp_path):
+    for msg in run_ranks(_consolidate_tp, 2, str(tmp_path)):
+        assert "written under tensor parallelism (mesh (1, 2))" in msg
 
 
 def test_ranks_with_different_plans_fail_setup_on_every_rank():

@@ -102,6 +102,32 @@ class TensorParallel:
                     out.append(src[lo - a : hi - a])
         return out
 
+    def describe(self) -> dict:
+        """Where this rank's shards sit, as a sharded checkpoint records it."""
+        return {"rank": self.rank, "size": self.size, "mesh": list(self.mesh.mesh.shape)}
+
+    def whole_value(self, param: Tensor, value: Tensor) -> Tensor:
+        """Collective over the tensor-parallel group when ``param`` is sharded: ``value`` (of
+        ``param``'s local shape: its master weights, a moment) gathered whole, on the host."""
+        if not is_dtensor(param) or not isinstance(param.placements[0], Shard):  # type: ignore
+            return value
+        dev = local(param).device
+        whole = DTensor.from_local(value.to(dev), param.device_mesh,  # type: ignore[union-attr]
+                                   param.placements, run_check=False,  # type: ignore
+                                   shape=param.shape, stride=torch.empty(param.shape).stride())
+        return whole.full_tensor().cpu()
+
+    def local_value(self, param: Tensor, value: Tensor) -> Tensor:
+        """``value`` (of ``param``'s whole shape) cut to this rank's shard, as DTensor cuts it
+        (``torch.chunk``; ranks past the last chunk hold an empty one)."""
+        if not is_dtensor(param) or not isinstance(param.placements[0], Shard):  # type: ignore
+            return value
+        dim = param.placements[0].dim  # type: ignore[union-attr]
+        parts = value.chunk(self.size, dim=dim)
+        if self.rank < len(parts):
+            return parts[self.rank].contiguous()
+        return value.narrow(dim, 0, 0).contiguous()
+
     def reduce_norm(self, local_sum: Tensor, op: Any) -> Tensor:
         """Collective over the tensor-parallel group: the norm's partial sums (or max) added."""
         t = local_sum.to(collectives.collective_device(self.group, local_sum.device))
@@ -208,6 +234,10 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any
             f"ZeroOffload: device_mesh has {device_mesh.ndim} dimensions {names}; supported are "
             f"a 1-D data-parallel mesh or a 2-D mesh with dimensions {(DP, TP)} (pipeline "
             "parallelism and meshes of more dimensions are not supported)")
+    if device_mesh.size() != dist.get_world_size():
+        raise ValueError(f"ZeroOffload: the device mesh has {device_mesh.size()} ranks but "
+                         f"{dist.get_world_size()} processes run; build it over every process "
+                         "(init_device_mesh(device, (data_parallel, tensor_parallel)))")
     tp_mesh = device_mesh[TP]
     tp = TensorParallel(device_mesh, tp_mesh, tp_mesh.get_local_rank(), tp_mesh.size(),
                         _check_plan(module, tp_mesh))

@@ -58,7 +58,7 @@ class DeviceWeights:
         self.dtype, self.profile = dtype, profile
         self.world_size = layout.world_size
         device = dev.device
-        self.frozen = {id(p): p.detach().to("cpu", copy=True)
+        self.frozen = {id(p): local(p).detach().to("cpu", copy=True)
                        for p in _frozen(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
         self.trained = trained
@@ -129,9 +129,10 @@ class DeviceWeights:
 
     # -- exact copies of what the compute dtype rounds ----------------------------------------
     def untrained(self) -> dict[str, Tensor]:
-        """Buffers and frozen parameters, on the host; frozen ones exact."""
+        """Buffers and frozen parameters, on the host (DTensors' local shards); frozen ones
+        exact."""
         frozen, trained = self.frozen, self.trained
-        return {name: frozen[id(t)].clone() if id(t) in frozen else _host_copy(t)
+        return {name: frozen[id(t)].clone() if id(t) in frozen else _host_copy(local(t))
                 for name, t in self.module.state_dict(keep_vars=True).items()
                 if id(t) not in trained}
 
@@ -153,7 +154,7 @@ class DeviceWeights:
                     device, self.orig_dtypes[id(slot.param)], copy=True))
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 if id(t) in self.frozen:
-                    t.data = self.frozen[id(t)].to(device)
+                    bind(t, self.frozen[id(t)].to(device))
                 elif id(t) not in self.trained and id(t) in self.orig_dtypes:
                     t.data = t.data.to(device, self.orig_dtypes[id(t)])
 

@@ -8,6 +8,7 @@ is not wrapped in DDP; the engine reduces and partitions gradients itself.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from typing_extensions import override
 
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.lightning import checkpoint as ckpt
+from lightning_zero_offload.lightning import mesh as tp_mesh
 from lightning_zero_offload.lightning.common import (
     EngineOwner,
     Scheduler,
@@ -46,6 +48,12 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     ``fabric.setup(model)`` alone (evaluation) just moves the module to the device. The module
     holds the device weights while training; ``fabric.save`` writes the fp32 master weights, and
     ``fabric.strategy.teardown()`` (collective) puts them back into the module at the end.
+
+    Tensor parallelism as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(module,
+    device_mesh)`` (``parallelize_module`` over ``device_mesh["tensor_parallel"]``) runs in
+    ``fabric.setup``, over the 2-D mesh of ``data_parallel_size`` x ``tensor_parallel_size``
+    (both "auto", the default: data parallel only; one "auto": the rest of the processes). An
+    optimizer built over the plain module is pointed at the parallelized parameters.
     """
 
     strategy_name = "zero_offload"
@@ -55,6 +63,9 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         config: ZeroOffloadConfig | None = None,
         *,
         sharded_checkpoint: bool = False,
+        parallelize_fn: Callable[[Module, Any], Module] | None = None,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -66,6 +77,12 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         **config_overrides: object,
     ) -> None:
         self._init_engine_owner(config, sharded_checkpoint, config_overrides)
+        self._parallelize_fn = parallelize_fn
+        self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
+        self._device_mesh: Any = None
+        if parallelize_fn is not None and self._mesh_sizes == ("auto", "auto"):
+            raise ValueError("ZeroOffloadFabricStrategy: parallelize_fn needs a mesh: set "
+                             "tensor_parallel_size (and data_parallel_size, or leave it 'auto')")
         self._default_precision = ZeroOffloadFabricPrecision("32-true")
         super().__init__(
             accelerator=accelerator,
@@ -93,10 +110,32 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
 
     # -- setup ---------------------------------------------------------------------------------
 
+    @property
+    def device_mesh(self) -> Any:
+        """The 2-D ``DeviceMesh`` (after the processes start) when a size was given, else None."""
+        return self._device_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self._mesh_sizes != ("auto", "auto"):
+            sizes = tp_mesh.resolve_sizes(*self._mesh_sizes, self.world_size)
+            self._device_mesh = tp_mesh.build_mesh(self.root_device.type, *sizes)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is None:
+            return super().distributed_sampler_kwargs
+        return tp_mesh.sampler_kwargs(self._device_mesh)
+
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Scheduler | None = None
     ) -> tuple[Module, list[Optimizer], Scheduler | None]:
+        if self._parallelize_fn is not None:
+            module = tp_mesh.parallelize(self._parallelize_fn, module, self._device_mesh,
+                                         *optimizers[:1])
         precision = self.precision.precision  # the engine starts every rank from rank 0's
         optimizer, engine = self._start_engine(module, optimizers, precision,
                                                f"Fabric(precision={precision!r})",
@@ -108,7 +147,10 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Without an optimizer there is nothing to offload: the module just goes to the device."""
+        """Without an optimizer there is nothing to offload: the module (parallelized, with a
+        ``parallelize_fn``) just goes to the device."""
+        if self._parallelize_fn is not None:
+            module = tp_mesh.parallelize(self._parallelize_fn, module, self._device_mesh)
         return module.to(self.root_device)
 
     @override

@@ -11,7 +11,11 @@ group by default).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
+
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from lightning_zero_offload.core.tensor_parallel import DP, TP
 
@@ -52,3 +56,28 @@ def sampler_kwargs(mesh: Any) -> dict[str, int]:
     same batches."""
     sub = mesh[DP]
     return {"num_replicas": sub.size(), "rank": sub.get_local_rank()}
+
+
+def parallelize(fn: Callable[[Module, Any], Module], module: Module, mesh: Any,
+                optimizer: Optimizer | None = None) -> Module:
+    """``fn(module, mesh)`` (Fabric's ``parallelize_fn``). ``parallelize_module`` replaces each
+    parameter by a DTensor one, so an ``optimizer`` built over the module before is pointed at
+    the new parameters, by name."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    out = fn(module, mesh)
+    if not isinstance(out, Module):
+        raise TypeError(f"parallelize_fn must return the parallelized module, got {type(out)}")
+    if optimizer is None:
+        return out
+    if optimizer.state:
+        raise ValueError("ZeroOffloadFabricStrategy(parallelize_fn=...): the optimizer has "
+                         "already stepped; pass a fresh one to fabric.setup(model, optimizer)")
+    new = dict(out.named_parameters(remove_duplicate=False))
+    for group in optimizer.param_groups:
+        try:
+            group["params"] = [new[names[id(p)]] for p in group["params"]]
+        except KeyError:
+            raise ValueError("ZeroOffloadFabricStrategy(parallelize_fn=...): the optimizer holds "
+                             "a parameter that is not the module's, or parallelize_fn renamed "
+                             "one; build the optimizer over model.parameters()") from None
+    return out

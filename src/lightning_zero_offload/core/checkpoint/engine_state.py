@@ -6,6 +6,11 @@ in it; the step's counters (step counts, loss scaler) go through the step's own
 knows nothing of streams. The formats are ``formats``'s, the files and atomic publish
 ``files``'s, the checks ``validation``'s, the cross-rank agreement ``agreement``'s. Calls that
 gather across ranks say "Collective".
+
+Under tensor parallelism the host state is this rank's share of its DTensors' local shards: a
+shard (one file per process of the mesh) resumes at the same mesh only; the consolidated form
+holds every tensor whole (gathered over the tensor-parallel group), so it loads into any mesh
+or a plain model, and a load cuts it back to this rank's shards.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero_offload import ops
@@ -23,6 +29,7 @@ from lightning_zero_offload.core.checkpoint import agreement, files, formats, va
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
+from lightning_zero_offload.core.tensor_parallel import TensorParallel, local
 from lightning_zero_offload.core.weights import DeviceWeights
 
 
@@ -36,20 +43,40 @@ class EngineState:
         self.module, self.param_groups, self.precision = module, param_groups, precision
         self.group_sizes = list(layout.group_sizes)
 
-    # -- this rank's shard --------------------------------------------------------------------
-    def _no_tp(self) -> None:
+    @property
+    def tp(self) -> TensorParallel | None:
+        """The tensor-parallel side, when there is one of more than one rank."""
         tp = self.layout.tp
-        if tp is not None and tp.size > 1:
-            raise NotImplementedError(
-                f"ZeroOffload: checkpoints under tensor parallelism (tensor_parallel size "
-                f"{tp.size}) are not supported yet; gather the DTensor weights with "
-                "full_tensor() after teardown() to keep the trained model")
+        return tp if tp is not None and tp.size > 1 else None
 
+    def tp_describe(self) -> dict | None:
+        return self.tp.describe() if self.tp is not None else None
+
+    @property
+    def files_rank(self) -> tuple[int, int, Any]:
+        """``(rank, world size, group)`` of checkpoint files and their agreement: every process
+        of the mesh under tensor parallelism (each writes its shard), else the data-parallel
+        group."""
+        if self.tp is None:
+            return self.rank, self.world_size, self.group
+        return dist.get_rank(), dist.get_world_size(), None
+
+    def _fill_module(self, values: dict[str, Tensor], *, strict: bool) -> None:
+        """The module's tensors from ``values`` (under tensor parallelism: local shards)."""
+        if self.tp is None:
+            self.module.load_state_dict(values, strict=strict)
+            return
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            if name in values:
+                local(t).copy_(values[name])
+
+    # -- this rank's shard --------------------------------------------------------------------
     def shard(self) -> dict:
-        self._no_tp()
         counters = self.stepper.state_dict()
+        tp = {"tensor_parallel": self.tp_describe()} if self.tp is not None else {}
         return {
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
+            **tp,
             "precision": self.precision, "layout": self.layout.describe(),
             "moment_dtype": self.host.moment_dtype,
             "groups": [
@@ -63,7 +90,6 @@ class EngineState:
         }
 
     def load_shard(self, state: dict) -> None:
-        self._no_tp()
         if self._converts_layout(state):
             self._load_converted(state)
             return
@@ -91,6 +117,7 @@ class EngineState:
         """A one-rank shard of another ``moment_dtype`` whose layout differs only because of it
         (8-bit moments pad buckets to whole blocks): loaded through the consolidated form."""
         return (isinstance(state, dict) and state.get("format") in formats.SHARD_FORMATS
+                and self.tp is None and "tensor_parallel" not in state
                 and self.world_size == 1 and state.get("world_size") == 1
                 and formats.shard_moment_dtype(state) != self.host.moment_dtype
                 and state.get("layout") != self.layout.describe())
@@ -137,7 +164,6 @@ class EngineState:
 
     def full(self, *, model: bool, optimizer: bool) -> dict:
         """Collective. See ``ZeroOffload.full_state_dict``."""
-        self._no_tp()
         flats = {"master": self.gather_full(self.host.master)} if model else {}
         if optimizer:
             m32, v32 = self.moments_fp32()
@@ -156,13 +182,43 @@ class EngineState:
         if optimizer:
             full["optimizer"] = out["optimizer"]
         full["scaler"] = counters["scaler"]
+        return self._whole(full) if self.tp is not None else full
+
+    def _params(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+        """The module's tensors by state_dict key, and the trained parameters by index."""
+        return (self.module.state_dict(keep_vars=True),
+                {s.index: s.param for s in self.layout.slots})
+
+    def _whole(self, full: dict) -> dict:
+        """Collective over the tensor-parallel group: every local shard of ``full`` gathered
+        whole (in the same order on every rank: state_dict keys, then parameter indices)."""
+        tp, (names, params) = self.tp, self._params()
+        assert tp is not None
+        if "model" in full:
+            full["model"] = {k: tp.whole_value(names[k], v) for k, v in full["model"].items()}
+        if "optimizer" in full:
+            states = full["optimizer"]["state"]
+            for i in sorted(states):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    states[i][key] = tp.whole_value(params[i], states[i][key])
         return full
 
+    def _local(self, model: dict, opt: dict | None) -> tuple[dict, dict | None]:
+        """The consolidated form's whole tensors cut to this rank's tensor-parallel shards."""
+        tp, (names, params) = self.tp, self._params()
+        if tp is None:
+            return model, opt
+        model = {k: tp.local_value(names[k], v) for k, v in model.items()}
+        if opt is not None:
+            opt = {**opt, "state": {i: {**st, **{key: tp.local_value(params[i], st[key])
+                                                   for key in ("exp_avg", "exp_avg_sq")}}
+                                    for i, st in opt["state"].items()}}
+        return model, opt
+
     def load_full(self, state: dict) -> None:
-        self._no_tp()
-        model, opt = validation.check_full(state, self)
+        model, opt = self._local(*validation.check_full(state, self))
         with torch.no_grad():
-            self.module.load_state_dict(model, strict=True)
+            self._fill_module(model, strict=True)
             self.weights.remember_frozen(model)
             states = opt["state"] if opt else {}
             steps, param_steps = [0] * len(self.group_sizes), []
@@ -194,23 +250,25 @@ class EngineState:
 
     # -- checkpoint files ---------------------------------------------------------------------
     def _coll(self) -> torch.device:
-        return (collectives.collective_device(self.group, self.weights.dev.device)
-                if self.world_size > 1 else torch.device("cpu"))
+        _, world, group = self.files_rank
+        return (collectives.collective_device(group, self.weights.dev.device)
+                if world > 1 else torch.device("cpu"))
 
     def _agree(self, error: BaseException | None) -> None:
-        agreement.agree(error, self.world_size, self.group, self._coll())
+        _, world, group = self.files_rank
+        agreement.agree(error, world, group, self._coll())
 
     def save(self, path: str | os.PathLike, *, sharded: bool,
              extra: dict[str, dict] | None = None) -> None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
         rank, and a failed save leaves nothing behind; an OS error names ``path``."""
-        self._no_tp()
         path = files.check_name(path)
         with files.writing(path):
             self._save(path, sharded, extra)
 
     def _save(self, path: Path, sharded: bool, extra: dict[str, dict] | None) -> None:
-        on_zero = self.rank == 0
+        rank, world, group = self.files_rank
+        on_zero = rank == 0
         if not sharded:
             self._agree(agreement.capture(lambda: files.check_file_target(path))
                         if on_zero else None)
@@ -219,7 +277,7 @@ class EngineState:
                         if on_zero else None)
             return
         token, error = files.begin_dir(path) if on_zero else ("", None)
-        token = agreement.share_token(token, self.world_size, self.group, self._coll())
+        token = agreement.share_token(token, world, group, self._coll())
         if error is not None or not token:
             raise error or formats.CheckpointError(
                 f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
@@ -227,29 +285,30 @@ class EngineState:
         try:
             shard = {**self.shard(), "module_extra": self.weights.untrained()}
             self._agree(agreement.capture(lambda: files.atomic_save(
-                shard, tmp / files.shard_name(self.rank, self.world_size))))
-            self._agree(agreement.capture(lambda: self._publish(tmp, path, token, extra or {}))
+                shard, tmp / files.shard_name(rank, world))))
+            self._agree(agreement.capture(lambda: self._publish(tmp, path, token, world,
+                                                                extra or {}))
                         if on_zero else None)
         finally:
             if on_zero:
                 files.discard(tmp)  # left only if the save failed: nothing of it is kept
 
-    def _publish(self, tmp: Path, path: Path, token: str, extra: dict[str, dict]) -> None:
+    @staticmethod
+    def _publish(tmp: Path, path: Path, token: str, world: int, extra: dict[str, dict]) -> None:
         for name, obj in extra.items():
             files.atomic_save(obj, tmp / name)
-        files.publish_dir(tmp, path, self.world_size, token)
+        files.publish_dir(tmp, path, world, token)
 
     def load(self, path: str | os.PathLike) -> None:
         """Collective. What ``save`` wrote, at this or any other world size: everything is read
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
-        self._no_tp()
         loaded: list[tuple[str, dict]] = []
         self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
-                self.module.load_state_dict(state["module_extra"], strict=False)
+                self._fill_module(state["module_extra"], strict=False)
             self.weights.remember_frozen(state["module_extra"])
             self.load_shard(state)
         else:
@@ -263,11 +322,12 @@ class EngineState:
             return "full", full
         trained = self.weights.trained
         names = self.module.state_dict(keep_vars=True)
-        shards = files.read_shards(path, self.rank, self.world_size)
-        validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
+        shards = files.read_shards(path, *self.files_rank[:2])
+        validation.check_tensor_parallel(shards, self.tp_describe(), path)
+        validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(local(v).shape))
                                       for k, v in names.items()})
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
-            if shards[0]["layout"] == self.layout.describe():
+            if shards[0]["layout"] == self.layout.describe() or self.tp is not None:
                 validation.check_shard(shards[0], self)
                 return "shard", shards[0]
             # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets

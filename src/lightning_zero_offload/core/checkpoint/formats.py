@@ -69,6 +69,13 @@ def consolidate(shards: list[dict]) -> dict:
     """
     if not shards:
         raise CheckpointError("consolidate: no shards given")
+    if any("tensor_parallel" in s for s in shards):
+        mesh = tuple(shards[0]["tensor_parallel"]["mesh"])
+        raise CheckpointError(
+            f"consolidate: the shards were written under tensor parallelism (mesh {mesh}); they "
+            "resume only at that mesh. For one file, save a consolidated checkpoint from the "
+            "run at that mesh (save_checkpoint(path, sharded=False); Lightning: "
+            "sharded_checkpoint=False)")
     desc = shards[0]["layout"]
     world = desc["world_size"]
     by_rank = {s["rank"]: s for s in shards}

@@ -41,6 +41,25 @@ def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None,
     _check_module(first, expected)
 
 
+def check_tensor_parallel(shards: list[dict], mine: dict | None, path: object) -> None:
+    """A shard written under tensor parallelism loads only into the same place of the same
+    mesh (``mine``: this rank's ``TensorParallel.describe()``, None without it), and a shard
+    written without it only without it."""
+    saved = shards[0].get("tensor_parallel")
+    if saved is None and mine is None:
+        return
+    if len(shards) == 1 and saved == mine:
+        return
+    def where(d: dict | None) -> str:
+        return ("no tensor parallelism" if d is None else
+                f"mesh (data_parallel, tensor_parallel) = {tuple(d['mesh'])}")
+    raise CheckpointError(
+        f"the sharded checkpoint {str(path)!r} was written with {where(saved)}, this run has "
+        f"{where(mine)}: a sharded checkpoint under tensor parallelism resumes only at the mesh "
+        "that wrote it. To change the mesh, save a consolidated checkpoint at the old one "
+        "(save_checkpoint(path, sharded=False); Lightning: sharded_checkpoint=False) and load that")
+
+
 def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
     """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
     dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
@@ -95,6 +114,11 @@ def check_shard(state: Any, engine: EngineState) -> None:
             "ZeroOffload.load_state_dict: not a ZeroOffload shard (expected the dict returned by "
             "ZeroOffload.state_dict(); for the consolidated form use load_full_state_dict)"
         )
+    if state.get("tensor_parallel") != engine.tp_describe():
+        raise CheckpointError(
+            f"ZeroOffload.load_state_dict: shard of tensor-parallel place "
+            f"{state.get('tensor_parallel')} cannot load into {engine.tp_describe()}; load a "
+            "consolidated checkpoint (full_state_dict/load_full_state_dict) to change the mesh")
     if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
         raise CheckpointError(
             f"ZeroOffload.load_state_dict: shard of rank {state['rank']} of {state['world_size']} "
@@ -147,7 +171,7 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
         )
     for slot in engine.layout.slots:
         st = opt["state"].get(slot.index)
-        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.shape):
+        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.param.shape):
             raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
                                   f"{slot.name!r} has the wrong shape")
     return model, opt
