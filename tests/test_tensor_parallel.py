@@ -62,8 +62,14 @@ def _train(rank: int, world: int, dp: int, tp: int, cfg: dict) -> dict:
     engine = _engine(dp, tp, **cfg)
     coord = engine.tp.rank if engine.tp is not None else 0
     norms = _steps(engine, dp, range(STEPS))
+    engine.gather_weights()  # every step landed: the module's DTensors hold the new weights
+    master = engine.full_state_dict(optimizer=False)["model"]
+    dtypes = {n: p.dtype for n, p in engine.module.named_parameters()}
+    live = _full(engine.module)
+    synced = all(torch.equal(v, master[n].to(dtypes[n]).float()) for n, v in live.items())
     engine.teardown()
-    return {"weights": _full(engine.module), "tp_rank": coord, "norms": norms}
+    return {"weights": _full(engine.module), "tp_rank": coord, "norms": norms,
+            "synced": synced}
 
 
 def _reference(lr: float = LR, norms: list | None = None, steps: int = STEPS
@@ -103,6 +109,7 @@ def test_dp2_tp2_fp32_equals_torch_adamw():
         assert _rel(r["weights"], want) < 5e-5
         # the global norm: both dimensions, replicated parameters once
         assert r["norms"] == pytest.approx(norms, rel=1e-5)
+        assert r["synced"]
     assert {r["tp_rank"] for r in out} == {0, 1}
 
 
@@ -116,6 +123,7 @@ def test_dp2_tp2_bf16_equals_four_data_parallel_ranks(delayed):
     assert _rel(tp[0]["weights"], _full(make(0))) > 1e-2
     for r in tp:
         assert _rel(r["weights"], dp[0]["weights"]) < 2e-3
+        assert r["synced"]  # the device weights are the master's, rounded (swapped in)
 
 
 _STATE = ("master", "moments", "grad_fp32", "staging")  # host state (not the CPU's "device")
