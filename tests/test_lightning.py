@@ -222,7 +222,8 @@ def test_step_profile_and_grad_norm_are_logged_once_per_step(tmp_path):
             assert float(row[f"zero_offload/{k}_ms"]) == pytest.approx(
                 1e3 * getattr(prof, k), rel=1e-6, abs=1e-9), (prof.step, k)
         assert prof.cpu_step > 0 and prof.fwd_bwd > 0
-        assert prof.weight_copy == 0  # no device copies on the CPU
+        # device copies only on an asynchronous device (the emulated one under the env seed)
+        assert (prof.weight_copy > 0) == bool(os.environ.get("LZO_EMULATED_DEVICE_SEED"))
     # the logged norm is the one the strategy reports (torch's, see the fp32 test)
     assert [float(r["zero_offload/grad_norm"]) for r in rows] == pytest.approx(model.norms)
     assert not any(k.startswith("zero_offload/") for k in t.progress_bar_metrics)
