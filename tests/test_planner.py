@@ -43,11 +43,21 @@ print(json.dumps({"params": sum(p.numel() for p in keep), "growth": growth,
 """
 
 
+EMULATED = "LZO_EMULATED_DEVICE_SEED"
+
+
+def _real_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner models the CPU and CUDA devices; under the emulated suite's seed an engine on
+    "cpu" is the emulated one (the CPU's memory with CUDA's asynchronous staging), neither."""
+    monkeypatch.delenv(EMULATED, raising=False)
+
+
 @pytest.mark.parametrize("numel,precision,delayed", [(8 * 2**20, "bf16-mixed", False),
                                                      (16 * 2**20, "32-true", False),
                                                      (24 * 2**20, "bf16-mixed", True)])
 def test_planned_host_bytes_match_rss_growth(numel, precision, delayed):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if k != EMULATED}  # see _real_devices_only
+    env.update(PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(numel), precision,
                            str(int(delayed))], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -64,7 +74,8 @@ def test_planned_host_bytes_match_rss_growth(numel, precision, delayed):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true", "16-mixed"])
 @pytest.mark.parametrize("delayed", [False, True])
-def test_planned_host_bytes_match_engine_count(precision, delayed):
+def test_planned_host_bytes_match_engine_count(precision, delayed, monkeypatch):
+    _real_devices_only(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 500), nn.GELU(), nn.Linear(500, 70), nn.LayerNorm(70))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -165,7 +176,8 @@ def test_planned_pinned_bytes_match_cuda_host_allocator():
 
 
 @pytest.mark.parametrize("moment_dtype", ["bf16", "int8"])
-def test_planned_compact_moments_match_engine_count(moment_dtype):
+def test_planned_compact_moments_match_engine_count(moment_dtype, monkeypatch):
+    _real_devices_only(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 500), nn.GELU(), nn.Linear(500, 70), nn.LayerNorm(70))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
