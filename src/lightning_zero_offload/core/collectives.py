@@ -87,9 +87,10 @@ def side_group(group: Any, timeout_s: float | None) -> Any:
     return dist.new_group(ranks, timeout=timeout)
 
 
-def report_failure(rank: int, error: BaseException) -> None:
-    """Leave a note for the peers: this rank failed with ``error`` (best effort)."""
-    store = _store()
+def report_failure(rank: int, world_size: int, error: BaseException) -> None:
+    """Leave a note for the peers: this rank failed with ``error`` (best effort; with one rank
+    there are none)."""
+    store = _store() if world_size > 1 else None
     if store is not None:
         try:
             store.set(_KEY, f"rank {rank}: {type(error).__name__}: {error}"[:2000])

@@ -162,8 +162,7 @@ class ZeroOffload:
             with self._streamer.backward_pass(sync_gradients):
                 loss.backward()
         except BaseException as e:
-            if self.world_size > 1:
-                collectives.report_failure(self.rank, e)
+            collectives.report_failure(self.rank, self.world_size, e)
             raise
         self._timer.backward_ended()
 
@@ -194,13 +193,11 @@ class ZeroOffload:
             self._calls += 1
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
-            # What the caller runs next (reading a weight, say) is compute-stream work: on the
-            # emulated device, whose compute stream is this thread, it waits for the copies here.
+            # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
-        except BaseException as e:
-            if self.world_size > 1:  # peers stuck in a collective name this rank
-                collectives.report_failure(self.rank, e)
+        except BaseException as e:  # peers stuck in a collective name this rank
+            collectives.report_failure(self.rank, self.world_size, e)
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # False: keep zero grads, as torch
@@ -246,8 +243,7 @@ class ZeroOffload:
         return (self._profile.records or [None])[-1]
 
     def finished_profile(self) -> StepProfile | None:
-        """The newest step whose timings are all in, without waiting for the device (cheap
-        enough for every step; on CUDA it may be the step before ``last_profile``)."""
+        """The newest step with all timings in, never waiting (CUDA: maybe before last_profile)."""
         return (self._profile.finished() or [None])[-1]
 
     def _check_readable(self) -> bool:
@@ -322,19 +318,20 @@ class ZeroOffload:
         ``keep_state``: ``state_dict``/``full_state_dict``/``save_checkpoint`` still work."""
         if self._closed:
             return
-        error = sys.exc_info()[1]
+        error, broken = sys.exc_info()[1], None  # broken: a failed pending step
         if error is not None and self.world_size > 1:
             # An error propagates (a framework's handler): start no collective; peers time out.
-            collectives.report_failure(self.rank, error)
+            collectives.report_failure(self.rank, self.world_size, error)
             copy_weights_to_module = False
         try:
             self.gather_weights() if copy_weights_to_module else self.synchronize()
-        except Exception:
-            if error is None:  # while an error propagates, a failed pending step is no news
-                raise
+        except Exception as e:
+            broken = e
+            if error is None:  # raised once everything is released (no news if one propagates)
+                copy_weights_to_module = keep_state = False
         if self._worker is not None:
             self._worker.close()
-        self._streamer.remove()
+        self._streamer.remove(drain=broken is None)
         for h in self._hooks:
             h.remove()
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
@@ -348,3 +345,5 @@ class ZeroOffload:
             self._host.free()
             self._release_group()
         self._dev.close()  # after the host buffers: it empties the pinned-memory cache
+        if broken is not None and error is None:
+            raise broken

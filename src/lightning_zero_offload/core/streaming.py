@@ -31,8 +31,7 @@ def _sq_sum(shard: Tensor) -> Tensor:
 
 
 def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
-    """Padding ranges of bucket ``b`` (relative to its start): zeroed at each flush instead of
-    zeroing the whole buffer."""
+    """Padding ranges of bucket ``b`` (from its start), zeroed at each flush (not the buffer)."""
     bucket = layout.buckets[b]
     ranges, pos = [], 0
     for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
@@ -171,9 +170,8 @@ class GradStreamer:
         self.had_grad[i] = True
 
     def _new_buffer(self, b: int) -> Tensor:
-        """Bucket ``b``'s buffer (contents undefined: every element is written or zeroed before
-        the flush). On the CPU with one rank the first flush lands straight in the fp32 host
-        gradient (saving a copy)."""
+        """Bucket ``b``'s buffer, contents undefined (all written or zeroed before the flush); on
+        the CPU with one rank the first flush lands in the fp32 host gradient (saving a copy)."""
         numel = self.layout.buckets[b].numel
         if self._direct and self.flushes[b] == 0:
             return self.host.grads.grad(b)
@@ -390,11 +388,13 @@ class GradStreamer:
         for s in self.layout.slots:
             s.param.grad = None
 
-    def remove(self) -> None:
+    def remove(self, drain: bool = True) -> None:
+        """Hooks off, ring freed; ``drain=False`` after a failed transfer (it would raise)."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        self.drain()
+        if drain:
+            self.drain()
         self._ring.close()
         self._sources = None  # staging views: the pinned blocks must be free at teardown
 
