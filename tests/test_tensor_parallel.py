@@ -353,3 +353,42 @@ def test_ranks_with_different_plans_fail_setup_on_every_rank():
     for msg in run_ranks(_different_plans, 2):
         assert "the ranks' device meshes or tensor-parallel plans differ: rank 1 has" in msg
         assert "layers.0.attn.wq.weight" in msg and "Shard(dim=1)" in msg
+
+
+# -- on the device check's GPU (the rehearsal: the emulated asynchronous device) ------------------
+def _on_device(rank: int, world: int, device: str) -> dict:
+    """DTensor parameters of a (1, 1) mesh on ``device`` against the plain module there, in
+    bf16-mixed with delayed update: the DTensor paths (binding, swap, norm) on the device."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    for name in ("dtensor", "plain"):
+        mesh = init_device_mesh(device, (1, 1), mesh_dim_names=("data_parallel",
+                                                                "tensor_parallel"))
+        model = make(0)
+        if name == "dtensor":
+            parallelize(model, mesh["tensor_parallel"])
+        opt = torch.optim.AdamW(param_groups(model, 3e-3), lr=3e-3)
+        engine = ZeroOffload(model, opt, device_mesh=mesh if name == "dtensor" else None,
+                             device=device, precision="bf16-mixed", delayed_update=True,
+                             delayed_update_warmup=1, max_grad_norm=1.0)
+        for step in range(STEPS):
+            x, y = batch(step, 0, 0)
+            engine.backward(lm_loss(engine.module(x.to(device)), y.to(device)))
+            engine.step()
+            engine.zero_grad()
+        out[name] = engine.full_state_dict(optimizer=False)["model"]
+        engine.teardown(copy_weights_to_module=False)
+    return out
+
+
+@pytest.mark.cuda
+def test_dtensor_parameters_on_the_device_follow_the_plain_module():
+    import os
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not os.environ.get("LZO_EMULATED_DEVICE_SEED"):
+        pytest.skip("needs a CUDA device or the emulated one (LZO_EMULATED_DEVICE_SEED)")
+    out = run_ranks(_on_device, 1, device)[0]
+    assert _rel(out["dtensor"], _full(make(0))) > 1e-3  # it trained
+    assert _rel(out["dtensor"], out["plain"]) < 1e-6

@@ -23,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 from torch.utils._pytree import tree_leaves
 
+from lightning_zero_offload.core.tensor_parallel import local
+
 COMPUTE, HOST = "compute", "host"
 Clock = dict[str, int]
 
@@ -142,11 +144,11 @@ class RaceDetector:
                auto: tuple[str, bool] | None = None) -> None:
         """One access to ``t``. ``agent`` None: the main thread (compute for device regions, the
         host for host ones); ``auto``: the (role, host) to register an unknown region with."""
+        t = local(t)  # a DTensor's accesses are its local tensor's
         try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage (a wrapper or fake tensor)
             return
-        ptr = storage.data_ptr()
         if ptr not in self.regions and auto is None:
             return
         start = t.data_ptr()
