@@ -5,6 +5,8 @@ on 4 data-parallel ranks without tensor parallelism."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -392,3 +394,25 @@ def test_dtensor_parameters_on_the_device_follow_the_plain_module():
     out = run_ranks(_on_device, 1, device)[0]
     assert _rel(out["dtensor"], _full(make(0))) > 1e-3  # it trained
     assert _rel(out["dtensor"], out["plain"]) < 1e-6
+
+
+def _emulated_2x2(rank: int, world: int) -> dict:
+    """(2, 2) on the emulated asynchronous device (streams with their own groups over each
+    data-parallel pair) against the CPU device, 2 steps."""
+    from lightning_zero_offload.testing import emulated_async_device
+
+    out = {}
+    for name in ("cpu", "emulated"):
+        with emulated_async_device(seed=1) if name == "emulated" else contextlib.nullcontext():
+            engine = _engine(2, 2, precision="bf16-mixed")
+            _steps(engine, 2, range(2))
+            out[name] = engine.full_state_dict(optimizer=False)["model"]
+            engine.teardown(copy_weights_to_module=False)
+    return out
+
+
+def test_dp2_tp2_on_the_emulated_device_equals_the_cpu_device():
+    # each rank's emulated streams get a group over its own data-parallel pair: new_group needs
+    # every process to build every pair (it hung when each built only its own)
+    for r in run_ranks(_emulated_2x2, 4, timeout=300):
+        assert _rel(r["emulated"], r["cpu"]) < 1e-6

@@ -81,10 +81,20 @@ def _destroy_all() -> None:
 def side_group(group: Any, timeout_s: float | None) -> Any:
     """One more group over the same ranks (an emulated stream's own), with the timeout.
     Collective over every process of the default group (groups of the same ranks built with
-    local synchronization would share a store prefix and could hang)."""
-    ranks = None if group in (None, dist.group.WORLD) else dist.get_process_group_ranks(group)
+    local synchronization would share a store prefix and could hang). ``new_group`` needs every
+    process to ask for the same ranks, so with subgroups that differ by process (a mesh's
+    data-parallel groups) every process builds every one of them, in the same order."""
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    return dist.new_group(ranks, timeout=timeout)
+    if group in (None, dist.group.WORLD):
+        return dist.new_group(None, timeout=timeout)
+    every: list = [None] * dist.get_world_size()
+    run("setup of an emulated stream's group", lambda: dist.all_gather_object(
+        every, dist.get_process_group_ranks(group)))
+    mine = None
+    for ranks in sorted({tuple(r) for r in every}):
+        made = dist.new_group(list(ranks), timeout=timeout)
+        mine = made if dist.get_rank() in ranks else mine
+    return mine
 
 
 def report_failure(rank: int, world_size: int, error: BaseException) -> None:
