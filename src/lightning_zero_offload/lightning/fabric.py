@@ -118,9 +118,8 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._mesh_sizes != ("auto", "auto"):
-            sizes = tp_mesh.resolve_sizes(*self._mesh_sizes, self.world_size)
-            self._device_mesh = tp_mesh.build_mesh(self.root_device.type, *sizes)
+        self._device_mesh = tp_mesh.mesh_for(self._mesh_sizes, self.world_size,
+                                             self.root_device.type)
 
     @property
     @override

@@ -51,6 +51,14 @@ def build_mesh(device_type: str, dp: int, tp: int) -> Any:
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=(DP, TP))
 
 
+def mesh_for(sizes: tuple[Size, Size], world_size: int, device_type: str) -> Any:
+    """The strategies' mesh for ``(data_parallel_size, tensor_parallel_size)``: None when both
+    are "auto" (data parallel only), else :func:`build_mesh` (collective)."""
+    if sizes == ("auto", "auto"):
+        return None
+    return build_mesh(device_type, *resolve_sizes(*sizes, world_size))
+
+
 def sampler_kwargs(mesh: Any) -> dict[str, int]:
     """The DistributedSampler's part: tensor-parallel ranks of one data-parallel rank read the
     same batches."""

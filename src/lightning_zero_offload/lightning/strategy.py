@@ -167,11 +167,10 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self._mesh_sizes != ("auto", "auto"):
-            sizes = tp_mesh.resolve_sizes(*self._mesh_sizes, self.world_size)
-            self._device_mesh = tp_mesh.build_mesh(self.root_device.type, *sizes)
-            if self.lightning_module is not None:  # configure_model's self.device_mesh
-                self.lightning_module._device_mesh = self._device_mesh
+        self._device_mesh = tp_mesh.mesh_for(self._mesh_sizes, self.world_size,
+                                             self.root_device.type)
+        if self._device_mesh is not None and self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh  # configure_model's
 
     @property
     @override
