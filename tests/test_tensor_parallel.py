@@ -357,6 +357,23 @@ def test_ranks_with_different_plans_fail_setup_on_every_rank():
         assert "layers.0.attn.wq.weight" in msg and "Shard(dim=1)" in msg
 
 
+def _part_of_the_processes(rank: int, world: int) -> str:
+    """A mesh over rank 0 alone, while two processes run."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", torch.tensor([[0]]), mesh_dim_names=("data_parallel",
+                                                                  "tensor_parallel"))
+    model = make(0)
+    with pytest.raises(ValueError) as e:
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), device_mesh=mesh, device="cpu")
+    return str(e.value)
+
+
+def test_a_mesh_over_part_of_the_processes_is_refused_on_every_rank():
+    for msg in run_ranks(_part_of_the_processes, 2, timeout=120):
+        assert "the device mesh has 1 ranks but 2 processes run; build it over every" in msg
+
+
 # -- on the device check's GPU (the rehearsal: the emulated asynchronous device) ------------------
 def _on_device(rank: int, world: int, device: str) -> dict:
     """DTensor parameters of a (1, 1) mesh on ``device`` against the plain module there, in
