@@ -87,9 +87,8 @@ def side_group(group: Any, timeout_s: float | None) -> Any:
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
     if group in (None, dist.group.WORLD):
         return dist.new_group(None, timeout=timeout)
-    every: list = [None] * dist.get_world_size()
-    run("setup of an emulated stream's group", lambda: dist.all_gather_object(
-        every, dist.get_process_group_ranks(group)))
+    every = gather_objects("setup of an emulated stream's group",
+                           dist.get_process_group_ranks(group))
     mine = None
     for ranks in sorted({tuple(r) for r in every}):
         made = dist.new_group(list(ranks), timeout=timeout)
@@ -145,6 +144,13 @@ def run(what: str, fn: Callable[[], T]) -> T:
             "the same number of times; collective_timeout_s sets how long a rank waits.") from e
     logger.debug("%s: end", what)
     return out
+
+
+def gather_objects(what: str, obj: Any, group: Any = None) -> list:
+    """Every rank's ``obj`` of ``group``, in rank order (:func:`run` names the collective)."""
+    every: list = [None] * dist.get_world_size(group)
+    run(what, lambda: dist.all_gather_object(every, obj, group=group))
+    return every
 
 
 def reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:

@@ -57,10 +57,7 @@ def agree(layout: Layout, module: nn.Module, group: Any,
     desc = _describe(layout, module)
     mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(),
             None if local_error is None else (type(local_error).__name__, str(local_error)))
-    world = dist.get_world_size(group)  # type: ignore[arg-type]
-    every: list = [None] * world
-    collectives.run("setup check of every rank", lambda: dist.all_gather_object(
-        every, mine, group=group))
+    every = collectives.gather_objects("setup check of every rank", mine, group)
     for r, (_, err) in enumerate(every):
         if err is not None:
             kind = MemoryError if err[0] == "MemoryError" else ValueError
@@ -68,9 +65,7 @@ def agree(layout: Layout, module: nn.Module, group: Any,
                        "every rank stops here")
     if all(d == every[0][0] for d, _ in every):
         return
-    descs: list = [None] * world
-    collectives.run("setup check of every rank", lambda: dist.all_gather_object(
-        descs, desc, group=group))
+    descs = collectives.gather_objects("setup check of every rank", desc, group)
     for r, other in enumerate(descs):
         first = next(((i, a, b) for i, (a, b) in enumerate(zip(descs[0], other, strict=False))
                       if a != b), None)

@@ -201,8 +201,7 @@ def _agree(module: nn.Module, mesh: Any) -> None:
     desc += [f"parameter {n!r}: {tuple(p.shape)} {getattr(p, 'placements', 'plain')} "
              f"local {tuple(local(p).shape)}" for n, p in module.named_parameters()]
     mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), desc)
-    every: list = [None] * dist.get_world_size()
-    collectives.run("setup check of the device mesh", lambda: dist.all_gather_object(every, mine))
+    every = collectives.gather_objects("setup check of the device mesh", mine)
     for r, (digest, other) in enumerate(every):
         if digest != every[0][0]:
             diff = next((f"{b} where rank 0 has {a}" for a, b in zip(every[0][1], other,
