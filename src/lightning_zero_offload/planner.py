@@ -250,7 +250,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     if measure:
         import torch
 
-        from lightning_zero_offload.core.delayed import default_threads
+        from lightning_zero_offload.core.threads import default_threads
 
         threads = cpu_threads or default_threads(world_size, torch.device(device),
                                                  delayed_update)

@@ -1,10 +1,9 @@
-"""Argument checks of the engine: the device, the optimizer, the module, the inputs' dtype and
-the hyperparameters at each step; every bad input gets a clear error that says what to do.
-(A checkpoint's checks are ``core.checkpoint.validation``'s.)"""
+"""Argument checks of the engine: the device, the optimizer, the module and the inputs' dtype;
+every bad input gets a clear error that says what to do. (The hyperparameters' checks at each
+step are the update rule's, ``core.rule``; a checkpoint's are ``core.checkpoint.validation``'s.)"""
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
@@ -12,14 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
-
-_UNSUPPORTED = {
-    "amsgrad": "amsgrad=True",
-    "maximize": "maximize=True",
-    "capturable": "capturable=True (CUDA-graph capture of the step)",
-    "differentiable": "differentiable=True",
-}
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -68,39 +61,11 @@ def rank_and_world(group: object | None) -> tuple[int, int]:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW).
-
-    The one optimizer check of the engine and every adapter: ``torch.optim.AdamW`` or ``Adam``,
-    subclasses included unless they replace ``step`` (the fused CPU step runs torch's update, so
-    another ``step`` would be silently ignored)."""
+    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW). The one
+    optimizer check of the engine and every adapter (what the rule takes: ``core.rule``)."""
     if isinstance(optimizer, OffloadOptimizer):
         raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
-    if not isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
-        raise TypeError(
-            f"ZeroOffload supports torch.optim.AdamW and torch.optim.Adam (or subclasses) only "
-            f"(the fused CPU step implements them); got {type(optimizer).__name__}. Create the "
-            "optimizer with torch.optim.AdamW(model.parameters(), ...)"
-        )
-    if _unwrapped(type(optimizer).step) is not _unwrapped(torch.optim.Adam.step):
-        raise TypeError(
-            f"ZeroOffload: {type(optimizer).__name__} overrides step(), which the fused CPU step "
-            "would not run; use torch.optim.AdamW/Adam (or a subclass that keeps their step)"
-        )
-    for i, group in enumerate(optimizer.param_groups):
-        for key, what in _UNSUPPORTED.items():
-            if group.get(key):
-                raise ValueError(
-                    f"ZeroOffload: param group {i} uses {what}, which the fused CPU AdamW does "
-                    f"not support; supported: AdamW/Adam with {key}=False"
-                )
-    return isinstance(optimizer, torch.optim.AdamW)
-
-
-def _unwrapped(fn: object) -> object:
-    """``fn`` without the wrappers torch puts around ``Optimizer.step`` (profiling, grad mode)."""
-    while hasattr(fn, "__wrapped__"):
-        fn = getattr(fn, "__wrapped__")  # noqa: B009
-    return fn
+    return rule.check_optimizer(optimizer)
 
 
 def check_params(module: nn.Module, optimizer: torch.optim.Optimizer
@@ -180,27 +145,3 @@ def cast_floats(x: Any, dtype: torch.dtype) -> Any:
     if isinstance(x, dict):
         return {k: cast_floats(v, dtype) for k, v in x.items()}
     return x
-
-
-def check_hparams(groups: list[dict]) -> None:
-    """Every group's hyperparameters, before a step changes anything: a bad value set after
-    setup (a scheduler, a user edit) raises here with nothing updated, not after some buckets."""
-    for i, g in enumerate(groups):
-        for key, what in _UNSUPPORTED.items():
-            if g.get(key):
-                raise ValueError(f"ZeroOffload: param group {i} now uses {what}, which the fused "
-                                 f"CPU AdamW does not support; set {key}=False")
-        try:
-            lr, eps, wd = float(g["lr"]), float(g["eps"]), float(g["weight_decay"])
-            b1, b2 = (float(b) for b in g["betas"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"ZeroOffload: param group {i} has a malformed hyperparameter "
-                             f"({e!r}); lr, eps, weight_decay and betas must be numbers") from None
-        bad = [f"{k}={v!r}" for k, v, ok in (
-            ("lr", lr, lr >= 0 and math.isfinite(lr)), ("eps", eps, eps >= 0),
-            ("weight_decay", wd, wd >= 0 and math.isfinite(wd)),
-            ("betas[0]", b1, 0 <= b1 < 1), ("betas[1]", b2, 0 <= b2 < 1)) if not ok]
-        if bad:
-            raise ValueError(f"ZeroOffload: param group {i} has {', '.join(bad)}; torch's AdamW "
-                             "needs lr >= 0, eps >= 0, weight_decay >= 0 and 0 <= betas < 1. "
-                             "Nothing was updated.")

@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lightning_zero_offload.core.delayed import check_cores
-from lightning_zero_offload.core.scaler import MIN_SCALE
 from lightning_zero_offload.ops.moments import MOMENT_DTYPES
 
 PRECISIONS = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 DEFAULT_PRECISION = "bf16-mixed"  # of the plain engine, where no framework chooses one
+MIN_SCALE = 2.0**-24  # the loss scaler's floor: below fp16's smallest subnormal, nothing rescues
+
+
+def check_cores(cores: Sequence[int] | None) -> tuple[int, ...] | None:
+    """``cpu_affinity`` must name cores this process may run on."""
+    if cores is None:
+        return None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores = tuple(cores)
+    bad = [c for c in cores if not isinstance(c, int) or (allowed is not None and c not in allowed)]
+    if not cores or bad:
+        raise ValueError(
+            f"ZeroOffloadConfig: cpu_affinity={cores!r} must be a non-empty list of core ids this "
+            f"process may use ({sorted(allowed) if allowed else 'unknown'}); bad: {bad}"
+        )
+    if allowed is None:
+        raise ValueError("ZeroOffloadConfig: cpu_affinity needs os.sched_setaffinity (Linux)")
+    return cores
 
 
 @dataclass

@@ -1,10 +1,7 @@
 """``ZeroOffload``: the engine a plain PyTorch loop (or an adapter) drives.
 
-This module wires the owners together and holds the public API; each kind of state has one
-owner: ``host.HostBuffers`` (master, moments, gradients, staging), ``weights.DeviceWeights``
-(flat device buffers, copies, the delayed-update swap), ``streaming.GradStreamer`` (backward),
-``step.Stepper`` (the whole step and its counters), ``checkpoint.EngineState`` (state in and
-out), ``device`` (streams, events, waits) and ``delayed`` (the step on a worker thread).
+It wires the owners (``host``, ``weights``, ``streaming``, ``step``, ``update`` with ``rule``,
+``delayed``, ``checkpoint``, ``device``; each module says what it owns) and holds the public API.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from torch import Tensor, nn
 from lightning_zero_offload.core import checks, collectives, ranks, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate, step_threads
+from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.device import make_device
 from lightning_zero_offload.core.host import HostBuffers, engine_budget, fill_master, plan
 from lightning_zero_offload.core.layout import build_layout, shard_align
@@ -31,6 +28,8 @@ from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import GradStreamer
+from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
+from lightning_zero_offload.core.update import HostUpdate
 from lightning_zero_offload.core.weights import DeviceWeights
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
@@ -106,15 +105,16 @@ class ZeroOffload:
                         if m is not module and next(m.parameters(recurse=False), None) is not None]
         # Loops that zero gradients through the model (the transformers Trainer) clear ours too.
         module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
-        cores = config.cpu_affinity
+        cores, threads = config.cpu_affinity, step_threads(config, self.world_size, self.device)
         self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
-        self._delayed = DelayedUpdate(self._worker, self._profile, self._weights)
-        self._stepper = Stepper(layout, host, self._weights, self._streamer, config,
-                                decoupled=self.decoupled, rank=self.rank,
-                                process_group=self.process_group,
-                                out_direct=not dev.asynchronous and self.world_size == 1 and half,
-                                threads=step_threads(config, self.world_size, self.device),
-                                profile=self._profile, worker=self._worker, delayed=self._delayed)
+        update = HostUpdate(layout, host, self._streamer, rank=self.rank, threads=threads,
+                            seed=config.moment_seed, asynchronous=dev.asynchronous, half=half,
+                            profile=self._profile)
+        self._delayed = DelayedUpdate(self._worker, self._profile, self._weights, host, update)
+        self._stepper = Stepper(layout, self._streamer, self._weights, update, self._delayed,
+                                config, decoupled=self.decoupled, rank=self.rank,
+                                process_group=self.process_group, device=self.device,
+                                profile=self._profile, worker=self._worker)
         self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,

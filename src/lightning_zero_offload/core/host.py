@@ -205,6 +205,10 @@ class GradSet:
         assert self.staging is not None
         return self.staging[b]
 
+    def read_by_copy(self, b: int, event: Event | None) -> None:
+        """The weights written over slice ``b`` are read by the copy ending at ``event``."""
+        self.read_by[b] = event
+
     def take_reader(self, b: int) -> Event | None:
         """The copy still reading slice ``b`` (rule 6), which the next write must wait for."""
         reader, self.read_by[b] = self.read_by[b], None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-MIN_SCALE = 2.0**-24  # below fp16's smallest subnormal: no scale can rescue such gradients
+from lightning_zero_offload.core.config import MIN_SCALE
+
+__all__ = ["MIN_SCALE", "DynamicLossScaler"]
 
 
 class DynamicLossScaler:

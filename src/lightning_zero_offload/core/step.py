@@ -1,48 +1,32 @@
-"""The optimizer step: its decision (global norm, clip coefficient, loss scale, hyperparameters)
-and the fused kernel over this rank's shard.
+"""The optimizer step: its decision (global norm, clip coefficient, loss scale, hyperparameters),
+then the update rule over this rank's shard.
 
 ``Stepper.step`` is one whole step, from the engine's ``step()`` down to the kernel and back:
 ``decide`` (on the caller's thread) settles everything that needs all ranks or the user's live
 state, including which parameters got a gradient on any rank: as torch's AdamW, the step leaves
 the others untouched (no decay, no moment update) and counts steps per parameter. The previous
-delayed update lands, then the kernel runs here, on the core-bound worker, or (delayed update)
-on the worker while the caller goes on. The kernel runs chunk by chunk (a chunk is a bucket's
-shard, cut where parameters skip), each finished chunk's weights queued on the step's
-``WeightPush`` while the next computes; on the worker it issues no collective (``gather``).
-The step owns its counters (steps per group and per parameter, the loss scaler) and their
-``state_dict``.
+delayed update lands, then ``core.update.HostUpdate`` runs here, on the core-bound worker, or
+(delayed update, ``core.delayed``) on the worker while the caller goes on. The step owns its
+counters (steps per group and per parameter, the loss scaler) and their ``state_dict``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from lightning_zero_offload.core import checks, collectives
+from lightning_zero_offload.core import collectives, rule
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import CpuStepWorker, DelayedUpdate
-from lightning_zero_offload.core.host import GradSet, HostBuffers
+from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
-from lightning_zero_offload.ops import fused_adamw_
-
-Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
-
-
-@dataclass
-class StepPlan:
-    """Everything the kernel needs, fixed at decision time."""
-
-    grad_scale: float
-    hparams: list[dict]  # per group: lr, betas, eps, weight_decay, decoupled
-    runs: list[list[Run]]  # per bucket, ascending; the ranges between runs are left untouched
+from lightning_zero_offload.core.threads import CpuStepWorker
+from lightning_zero_offload.core.update import HostUpdate, Run, StepPlan
+from lightning_zero_offload.core.weights import DeviceWeights
 
 
 def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, int]]]:
@@ -71,21 +55,18 @@ def clip_coef(max_norm: float, norm: float) -> float:
 class Stepper:
     """Owns the step counts, the pending clip coefficient and the fp16 loss scaler."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, weights: DeviceWeights,
-                 streamer: GradStreamer, config: ZeroOffloadConfig, *, decoupled: bool,
-                 rank: int, process_group: object | None, threads: int, out_direct: bool,
-                 profile: ProfileRecorder, worker: CpuStepWorker | None,
-                 delayed: DelayedUpdate) -> None:
-        self.layout, self.host, self.weights, self.streamer = layout, host, weights, streamer
-        self.worker, self.delayed = worker, delayed
+    def __init__(self, layout: Layout, streamer: GradStreamer, weights: DeviceWeights,
+                 update: HostUpdate, delayed: DelayedUpdate, config: ZeroOffloadConfig, *,
+                 decoupled: bool, rank: int, process_group: object | None,
+                 device: torch.device, profile: ProfileRecorder,
+                 worker: CpuStepWorker | None) -> None:
+        self.layout, self.streamer, self.weights = layout, streamer, weights
+        self.update, self.delayed, self.worker = update, delayed, worker
         self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
-        self.world_size = layout.world_size
-        self.threads, self.out_direct, self.profile = threads, out_direct, profile
-        # Half weights on an asynchronous device: the kernel writes them over the staging slice.
-        self._staged_out = streamer.dev.asynchronous and config.compute_dtype != torch.float32
+        self.world_size, self.device, self.profile = layout.world_size, device, profile
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
         self.param_steps = [0] * len(layout.slots)  # steps with a gradient, per parameter
-        self._pieces = _pieces(layout, rank, shard_align(host.moment_dtype))
+        self._pieces = _pieces(layout, rank, shard_align(config.moment_dtype))
         self.scaler = (DynamicLossScaler(config.initial_loss_scale,
                                          config.loss_scale_growth_interval)
                        if config.precision == "16-mixed" else None)
@@ -124,7 +105,7 @@ class Stepper:
                 local = torch.stack(parts).double().pow(norm_type).sum()
         local = local.double()
         if self.world_size > 1:
-            local = local.to(collectives.collective_device(self.group, self.weights.dev.device))
+            local = local.to(collectives.collective_device(self.group, self.device))
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
             collectives.all_reduce(local, op, self.group, "all-reduce of the gradient norm")
         if tp is not None and tp.size > 1:
@@ -138,7 +119,7 @@ class Stepper:
     def decide(self, param_groups: list[dict], step: int) -> StepPlan | None:
         """Wait for the gradients and settle the step; None when it is skipped (no gradient
         since ``zero_grad``, or an fp16 overflow)."""
-        checks.check_hparams(param_groups)
+        rule.check_hparams(param_groups)
         coef, norm = self._clip_coef, self._clip_norm
         self._clip_coef, self._clip_norm = 1.0, None
         self.last_grad_norm, self.last_step_skipped = None, True
@@ -164,15 +145,9 @@ class Stepper:
         had = self._had_grad()
         for i, h in enumerate(had):
             self.param_steps[i] += h
-        hparams = []
-        for g, group in enumerate(param_groups):
+        for g in range(len(param_groups)):
             self.steps[g] += 1
-            hparams.append({
-                "lr": float(group["lr"]),
-                "betas": (float(group["betas"][0]), float(group["betas"][1])),
-                "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"]),
-                "decoupled": self.decoupled or bool(group.get("decoupled_weight_decay", False)),
-            })
+        hparams = [rule.hyper(group, self.decoupled) for group in param_groups]
         return StepPlan(coef / (self.world_size * scale), hparams,
                         [self._runs(b, had) for b in range(len(self.layout.buckets))])
 
@@ -183,7 +158,7 @@ class Stepper:
         if self.world_size == 1:
             return list(had)
         flags = torch.tensor(had, dtype=torch.uint8).to(
-            collectives.collective_device(self.group, self.weights.dev.device))
+            collectives.collective_device(self.group, self.device))
         collectives.all_reduce(flags, dist.ReduceOp.MAX, self.group,
                                "all-reduce of which parameters got a gradient")
         return [bool(f) for f in flags.tolist()]
@@ -211,71 +186,26 @@ class Stepper:
     # -- the step ---------------------------------------------------------------------------
     def step(self, param_groups: list[dict], k: int) -> None:
         """Step ``k`` (collective): settle it, land step k-1's delayed update, then run the
-        kernel here, on the core-bound worker (the gathers follow here), or, under delayed
+        update here, on the core-bound worker (the gathers follow here), or, under delayed
         update past its warm-up, on the worker into the spare weights (they land at the next
         collective call)."""
         plan = self.decide(param_groups, k)
-        self.streamer.profile_step = k + 1
+        self.streamer.next_profile_step(k + 1)
         self.delayed.land()  # step k-1's update lands now, before step k+1's forward
-        cfg, prof, weights = self.config, self.profile, self.weights
+        cfg, prof, weights, update = self.config, self.profile, self.weights, self.update
         if plan is None:
             prof.close(k)
         elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
-            sources = self.streamer.fold_last_flush()
-            used = self.host.swap()  # the worker reads these; the next backward fills the other
-            assert weights.spare is not None
-            push = weights.push(k, weights.spare)
-            self.delayed.submit(k, push, self._kernel, plan, sources, used, push, False)
+            self.delayed.submit(k, plan, self.streamer.fold_last_flush())
         else:
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
                 with weights.push(k, weights.live) as push:
-                    gset = self.host.grads
                     if self.worker is not None:  # bound to its cores; collectives stay here
-                        self.worker.run(self._kernel, plan, sources, gset, push, False)
+                        self.worker.run(update.run, plan, sources, push, False)
                     else:
-                        self._kernel(plan, sources, gset, push, True)
+                        update.run(plan, sources, push, True)
             prof.close(k)
-
-    def _kernel(self, plan: StepPlan, sources: list[Tensor], gset: GradSet, push: WeightPush,
-                gather: bool) -> None:
-        """The fused kernel over this rank's shard into ``push.target`` (the live weights, or
-        the spare ones on the delayed worker). ``gather``: all-gather each bucket as it is done
-        (only on the caller's thread). With half weights on an asynchronous device the kernel
-        writes them over ``gset``'s staging slice (in place over the half gradient it reads, or
-        over the staging already folded into the fp32 gradient) and the copy reads them there;
-        on the CPU they go straight into the weights (one rank) or are cast from the master."""
-        k = push.step
-        assert k is not None, "a kernel push has a profile step"
-        push.wait_sources()  # the last push's copies have read the buffers rewritten here
-        with self.profile.span("cpu_step", k):
-            for b, bucket in enumerate(self.layout.buckets):
-                hp = plan.hparams[bucket.group]
-                master, moments = self.host.state(b)
-                lo, hi = bucket.shard_range(self.rank)
-                out = (push.target[bucket.group][lo:hi] if self.out_direct
-                       else gset.stage(b) if self._staged_out else None)
-                done = 0
-                for begin, end, step in plan.runs[b]:
-                    self._untouched(master, out, done, begin)
-                    sl = slice(begin, end)
-                    fused_adamw_(master[sl], sources[b][sl], grad_scale=plan.grad_scale,
-                                 out=None if out is None else out[sl],
-                                 num_threads=self.threads, seed=self.config.moment_seed,
-                                 step=step, **moments.chunk(begin, end - begin).kernel_args(),
-                                 **hp)
-                    done = end
-                self._untouched(master, out, done, bucket.shard)
-                if not self.out_direct:
-                    push.copy(b, master if out is None else out)
-                if out is not None and not self.out_direct:
-                    gset.read_by[b] = push.hand_back(out)  # rule 6: the next d2h waits for it
-                if gather:
-                    push.gather(b)
-        push.copies_done()
-        # Staging slices that carry weights are handed back on the copy stream (hand_back).
-        self.streamer.consumed([s for s in sources
-                                if not self._staged_out or s.dtype == torch.float32])
 
     # -- the counters a checkpoint keeps --------------------------------------------------------
     def state_dict(self) -> dict:
@@ -289,10 +219,3 @@ class Stepper:
         self.param_steps[:] = [int(n) for n in state["param_steps"]]
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-
-    @staticmethod
-    def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
-        """A range the kernel skips: its half weights, which ``out`` (staging, or the spare
-        weights of the delayed update) may hold stale, are the master's again."""
-        if out is not None and begin < end:
-            out[begin:end].copy_(master[begin:end])

@@ -94,6 +94,10 @@ class GradStreamer:
             for i, s in enumerate(layout.slots)
         ]
 
+    def next_profile_step(self, step: int) -> None:
+        """The gradients that arrive from here on are for optimizer step ``step``."""
+        self.profile_step = step
+
     # -- the sync mode ---------------------------------------------------------------------------
     @property
     def sync(self) -> bool:
@@ -111,7 +115,7 @@ class GradStreamer:
         failed pass is forgotten (:meth:`discard`)."""
         self._pass_sync = sync and not self._local
         if self._pass_sync and self.will_accumulate():
-            self._fp32_for_accumulation()
+            self.host.need_fp32_grads()  # a flush adds to an earlier one: allocated once
         try:
             yield
         except BaseException:
@@ -119,11 +123,6 @@ class GradStreamer:
             raise
         finally:
             self._pass_sync = None
-
-    def _fp32_for_accumulation(self) -> None:
-        """A flush adds to an earlier one: the fp32 gradient must exist (the streamer is the
-        only one that asks for it; the host buffers allocate it once)."""
-        self.host.need_fp32_grads()
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_grad(self, i: int, param: Tensor) -> None:
@@ -294,7 +293,7 @@ class GradStreamer:
         # task (waiting for its copy and adding on the autograd thread would starve the device).
         # Host tasks run one at a time in submission order, so this bucket's previous task (and
         # with it the copy it queued) is done when this one starts.
-        self._fp32_for_accumulation()  # normally done by backward_pass, before autograd
+        self.host.need_fp32_grads()  # normally done by backward_pass, before autograd
         into_empty = self._moved[b] == 0
         self._moved[b] += 1
 

@@ -1,0 +1,97 @@
+"""The host part of one step: the update rule over this rank's shard, bucket by bucket.
+
+:meth:`HostUpdate.run` is the whole CPU side of a decided step (:class:`StepPlan`): per bucket
+shard, the rule's kernel over its runs (ranges cut where parameters skip), each finished bucket's
+new weights queued on the step's ``WeightPush`` while the next computes. It runs on the caller's
+thread, on the core-bound worker, or (delayed update) on the worker into the spare weights; it
+issues a collective (``push.gather``) only when told it is on the caller's thread. With half
+weights on an asynchronous device the kernel writes them over the bucket's staging slice (in
+place over the half gradient it reads, or over the staging already folded into the fp32
+gradient) and the copy reads them there; on the CPU they go straight into the weights (one rank)
+or are cast from the master.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.core import rule
+from lightning_zero_offload.core.host import GradSet, HostBuffers
+from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.streaming import GradStreamer
+from lightning_zero_offload.core.weights import WeightPush
+
+Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
+
+
+@dataclass
+class StepPlan:
+    """Everything the kernel needs, fixed at decision time."""
+
+    grad_scale: float
+    hparams: list[rule.Hyper]  # per group
+    runs: list[list[Run]]  # per bucket, ascending; the ranges between runs are left untouched
+
+
+class HostUpdate:
+    """The rule's host implementation over this rank's shard; owns no state of its own."""
+
+    def __init__(self, layout: Layout, host: HostBuffers, streamer: GradStreamer, *, rank: int,
+                 threads: int, seed: int, asynchronous: bool, half: bool,
+                 profile: ProfileRecorder) -> None:
+        self.layout, self.host, self.streamer, self.rank = layout, host, streamer, rank
+        self.threads, self.seed, self.profile = threads, seed, profile
+        # Where the kernel writes the half weights: into the device's own (the CPU, one rank),
+        # or over the staging slice the copy reads (an asynchronous device); else the copies
+        # cast them from the master.
+        self.out_direct = half and not asynchronous and layout.world_size == 1
+        self.staged_out = half and asynchronous
+
+    def run(self, plan: StepPlan, sources: list[Tensor], push: WeightPush, gather: bool,
+            gset: GradSet | None = None) -> None:
+        """The kernel over every bucket shard into ``push.target`` (the live weights, or the
+        spare ones on the delayed worker); ``gather``: all-gather each bucket as it is done
+        (only on the caller's thread); ``gset``: the gradient set ``sources`` came from (the
+        current one unless the delayed update swapped it out)."""
+        gset = gset if gset is not None else self.host.grads
+        k = push.step
+        assert k is not None, "a kernel push has a profile step"
+        push.wait_sources()  # the last push's copies have read the buffers rewritten here
+        with self.profile.span("cpu_step", k):
+            for b, bucket in enumerate(self.layout.buckets):
+                hp = plan.hparams[bucket.group]
+                master, moments = self.host.state(b)
+                lo, hi = bucket.shard_range(self.rank)
+                out = (push.target[bucket.group][lo:hi] if self.out_direct
+                       else gset.stage(b) if self.staged_out else None)
+                done = 0
+                for begin, end, step in plan.runs[b]:
+                    _untouched(master, out, done, begin)
+                    sl = slice(begin, end)
+                    rule.host_update(master[sl], sources[b][sl], moments.chunk(begin, end - begin),
+                                     hp, step=step, grad_scale=plan.grad_scale,
+                                     out=None if out is None else out[sl], threads=self.threads,
+                                     seed=self.seed)
+                    done = end
+                _untouched(master, out, done, bucket.shard)
+                if not self.out_direct:
+                    push.copy(b, master if out is None else out)
+                if out is not None and not self.out_direct:
+                    gset.read_by_copy(b, push.hand_back(out))  # rule 6: the next d2h waits
+                if gather:
+                    push.gather(b)
+        push.copies_done()
+        # Staging slices that carry weights are handed back on the copy stream (hand_back).
+        self.streamer.consumed([s for s in sources
+                                if not self.staged_out or s.dtype == torch.float32])
+
+
+def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
+    """A range the kernel skips: its half weights, which ``out`` (staging, or the spare weights
+    of the delayed update) may hold stale, are the master's again."""
+    if out is not None and begin < end:
+        out[begin:end].copy_(master[begin:end])
