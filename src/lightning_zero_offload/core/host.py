@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import Event
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.preflight import check_lazy_fp32
+from lightning_zero_offload.core.stage import HostStage
 from lightning_zero_offload.core.tensor_parallel import local
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
@@ -178,7 +178,8 @@ class _Arena:
 
 
 class GradSet:
-    """One set of gradient buffers: fp32 per group (maybe not allocated yet) and staging."""
+    """One set of gradient buffers: fp32 per group (maybe not allocated yet), staging, and the
+    stage that owns each bucket shard's life in it (``core.stage``)."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool) -> None:
         self.layout = layout
@@ -186,9 +187,7 @@ class GradSet:
         self._arena = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
                        if staged else None)
         self.staging = self._arena.slices if self._arena is not None else None
-        # Per slice: the end of the host-to-device copy that reads the weights written over it
-        # (rule 6 of ``core.device``: the next device-to-host copy into it waits for this).
-        self.read_by: list[Event | None] = [None] * len(layout.buckets)
+        self.stages = [HostStage(self, b) for b in range(len(layout.buckets))]
 
     def allocate_fp32(self) -> None:
         if self.fp32 is None:
@@ -202,17 +201,9 @@ class GradSet:
         return self.fp32[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
 
     def stage(self, b: int) -> Tensor:
+        """Bucket ``b``'s staging slice (compute dtype)."""
         assert self.staging is not None
         return self.staging[b]
-
-    def read_by_copy(self, b: int, event: Event | None) -> None:
-        """The weights written over slice ``b`` are read by the copy ending at ``event``."""
-        self.read_by[b] = event
-
-    def take_reader(self, b: int) -> Event | None:
-        """The copy still reading slice ``b`` (rule 6), which the next write must wait for."""
-        reader, self.read_by[b] = self.read_by[b], None
-        return reader
 
     def nbytes(self) -> int:
         out = sum(t.numel() * 4 for t in self.fp32 or [])
@@ -329,6 +320,12 @@ class HostBuffers:
         for s in (self.grads, self.spare):
             if s is not None:
                 s.allocate_fp32()
+
+    def reset_stages(self) -> None:
+        """``zero_grad``: every stage of both sets starts over."""
+        for s in (self.grads, self.spare):
+            for stage in s.stages if s is not None else []:
+                stage.reset()
 
     def swap(self) -> GradSet:
         """Delayed update: returns the set the step just decided reads; the next backward fills

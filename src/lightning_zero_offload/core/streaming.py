@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_zero_offload.core import collectives, tensor_parallel
 from lightning_zero_offload.core.device import Event, SyncDevice
-from lightning_zero_offload.core.host import GradSet, HostBuffers
+from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.ring import BucketRing
@@ -85,9 +85,7 @@ class GradStreamer:
         self._reduce = (dev.side_stream("reduce") if dev.asynchronous and self.world_size > 1
                         else self._stream)
         self._ring = BucketRing(dev, max((bk.numel for bk in layout.buckets), default=0), dtype)
-        self._pending: list[Event | None] = [None] * nb  # latest copy into staging
         self._tasks: list = [None] * nb  # host task moving the previous flush to fp32
-        self._moved = [0] * nb  # flushes moved into the fp32 gradient since zero_grad
         self._sources: list[Tensor] | None = None
         self._handles = [
             s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
@@ -244,9 +242,7 @@ class GradStreamer:
         if shard is not buf:
             collectives.reduce_scatter(shard, buf, self.group)
         self.stats.append(_sq_sum(shard))
-        host = self.host.grads.grad(b)
-        if shard.data_ptr() != host.data_ptr():
-            host.copy_(shard) if first else host.add_(shard)
+        if self.host.grads.stages[b].receive(shard, first):
             self.dev.release(buf, None)
             if shard is not buf:
                 self.dev.release(shard, None)
@@ -272,16 +268,14 @@ class GradStreamer:
             dev.stream_waits(stream, reduced)
             self._ring.flushed(b, lambda: reduced) if ring else dev.release(buf, reducing)
         self.stats.append(stat)
-        gset = self.host.grads
+        stage = self.host.grads.stages[b]
 
-        def copy_in() -> Event:
-            stage, reader = gset.stage(b), gset.take_reader(b)
-            if reader is not None:  # rule 6: the weights' copy out of this slice comes first
-                dev.stream_waits(stream, reader, "staging_reuse")
-            dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
+        def release() -> None:
             if shard is not buf or not ring:  # not a ring buffer
                 dev.release(shard, stream)
-            end = self._pending[b] = dev.record(stream)
+
+        def copy_in() -> Event:
+            end = stage.copy_in(dev, stream, shard, release)
             self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
             return end
 
@@ -294,16 +288,9 @@ class GradStreamer:
         # Host tasks run one at a time in submission order, so this bucket's previous task (and
         # with it the copy it queued) is done when this one starts.
         self.host.need_fp32_grads()  # normally done by backward_pass, before autograd
-        into_empty = self._moved[b] == 0
-        self._moved[b] += 1
 
         def move_then_copy() -> Event:
-            pending = self._pending[b]
-            if pending is not None:
-                pending.wait()
-            stage, fp32 = gset.stage(b), gset.grad(b)
-            fp32.copy_(stage) if into_empty else fp32.add_(stage)
-            dev.handed_back(stage)
+            stage.fold_previous(dev)
             return copy_in()
         task = self._tasks[b] = dev.host_task(move_then_copy)
         self._ring.flushed(b, task.result)  # reuse waits until the task queued the copy
@@ -319,9 +306,8 @@ class GradStreamer:
             task, self._tasks[b] = self._tasks[b], None
             if task is not None:
                 task.result()
-            pending, self._pending[b] = self._pending[b], None
-            if pending is not None:
-                pending.wait()
+        for stage in self.host.grads.stages:
+            stage.wait_filled()
 
     def finish(self) -> bool:
         """Make the gradients complete for a step. Gradients left on the device by ``no_sync``
@@ -340,25 +326,9 @@ class GradStreamer:
         so poisoned on the emulated device). Buckets that got nothing since ``zero_grad`` are
         zeroed. Computed once per step; later calls return the same tensors."""
         if self._sources is None:
-            gset = self.host.grads
-            self._sources = [self._source(gset, b) for b in range(len(self.layout.buckets))]
+            self._sources = [stage.source(self.dev, self.flushes[b])
+                             for b, stage in enumerate(self.host.grads.stages)]
         return self._sources
-
-    def _source(self, gset: GradSet, b: int) -> Tensor:
-        if not self.dev.asynchronous:
-            src = gset.grad(b)
-            return src.zero_() if self.flushes[b] == 0 else src
-        stage = gset.stage(b)
-        if self.flushes[b] == 0:
-            if (reader := gset.take_reader(b)) is not None:  # rule 6 on the host
-                reader.wait()
-            return stage.zero_()
-        if self._moved[b] == 0:
-            return stage
-        fp32 = gset.grad(b).add_(stage)  # the last flush is still in staging
-        self.dev.handed_back(stage)
-        self._moved[b] += 1
-        return fp32
 
     def consumed(self, sources: list[Tensor]) -> None:
         """The step has read ``sources``; their contents are dead until the next backward fills
@@ -381,7 +351,7 @@ class GradStreamer:
         self.flushes = [0] * len(self.flushes)
         if set_to_none:
             self.had_grad = [False] * len(self.had_grad)
-        self._moved = [0] * len(self._moved)
+        self.host.reset_stages()
         self.stats = []
         self._sources = None
         for s in self.layout.slots:

@@ -66,8 +66,9 @@ class HostUpdate:
                 hp = plan.hparams[bucket.group]
                 master, moments = self.host.state(b)
                 lo, hi = bucket.shard_range(self.rank)
+                stage = gset.stages[b]
                 out = (push.target[bucket.group][lo:hi] if self.out_direct
-                       else gset.stage(b) if self.staged_out else None)
+                       else stage.weights_out() if self.staged_out else None)
                 done = 0
                 for begin, end, step in plan.runs[b]:
                     _untouched(master, out, done, begin)
@@ -81,7 +82,7 @@ class HostUpdate:
                 if not self.out_direct:
                     push.copy(b, master if out is None else out)
                 if out is not None and not self.out_direct:
-                    gset.read_by_copy(b, push.hand_back(out))  # rule 6: the next d2h waits
+                    stage.weights_read_by(push.hand_back(out))  # rule 6: the next d2h waits
                 if gather:
                     push.gather(b)
         push.copies_done()

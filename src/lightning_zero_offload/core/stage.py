@@ -1,0 +1,114 @@
+"""One bucket shard's optimizer-side life in host memory: :class:`HostStage`.
+
+A stage is the only owner of what happens to its bucket shard between backward and the next
+forward: where the shard lands (the staging slice on an asynchronous device, the fp32 gradient
+on the CPU), the fp32 gradient slice it is folded into when micro-batches accumulate, the event
+of the device-to-host copy that filled the staging slice, and the event of the host-to-device
+copy that reads the new weights the kernel wrote over it (rule 6 of ``core.device``: the next
+copy into the slice waits for that one). The streamer hands shards to stages (:meth:`receive`,
+:meth:`copy_in`, :meth:`fold_previous`), the step asks a stage for the kernel's source
+(:meth:`source`) and for where the kernel writes the half weights (:meth:`weights_out`), and
+tells it which copy reads them (:meth:`weights_read_by`); nobody else touches its fields.
+
+The memory itself (pinned arena blocks, fp32 arrays per group) is allocated and budgeted by
+``core.host``; a stage holds its set and index and works through ``GradSet.grad``/``stage``.
+A stage whose optimizer state lives on the device is a sibling with the same methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from lightning_zero_offload.core.device import Event, SyncDevice
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.host import GradSet
+
+
+class HostStage:
+    """Bucket ``b``'s shard in one host gradient set (two sets under delayed update)."""
+
+    def __init__(self, gset: GradSet, b: int) -> None:
+        self._set, self.b = gset, b
+        self._filled: Event | None = None  # the latest device-to-host copy into staging
+        self._read_by: Event | None = None  # the copy reading the weights out of staging
+        self._moved = 0  # flushes folded into the fp32 gradient since reset
+
+    # -- the streamer's side -------------------------------------------------------------------
+    def receive(self, shard: Tensor, first: bool) -> bool:
+        """A synchronous device: ``shard`` lands in the fp32 gradient (added from the second
+        flush since reset on). False when it was reduced in place there (nothing to free)."""
+        host = self._set.grad(self.b)
+        if shard.data_ptr() == host.data_ptr():
+            return False
+        host.copy_(shard) if first else host.add_(shard)
+        return True
+
+    def copy_in(self, dev: SyncDevice, stream: object, shard: Tensor,
+                then: Callable[[], None]) -> Event:
+        """An asynchronous device: queue the copy of ``shard`` into staging on ``stream``, after
+        the copy that still reads the weights written over it, then ``then`` (the shard's
+        release on the stream); returns the end of both."""
+        stage, reader = self._set.stage(self.b), self._take_reader()
+        if reader is not None:
+            dev.stream_waits(stream, reader, "staging_reuse")
+        dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
+        then()
+        end = self._filled = dev.record(stream)
+        return end
+
+    def fold_previous(self, dev: SyncDevice) -> None:
+        """On a host task, before the next copy in: the previous flush leaves staging for the
+        fp32 gradient (copied into an empty one, else added)."""
+        if self._filled is not None:
+            self._filled.wait()
+        stage, fp32 = self._set.stage(self.b), self._set.grad(self.b)
+        fp32.copy_(stage) if self._moved == 0 else fp32.add_(stage)
+        self._moved += 1
+        dev.handed_back(stage)
+
+    def wait_filled(self) -> None:
+        """The copy into staging is done (the host may read it)."""
+        filled, self._filled = self._filled, None
+        if filled is not None:
+            filled.wait()
+
+    def reset(self) -> None:
+        """``zero_grad``: the next flush overwrites, not adds."""
+        self._moved = 0
+
+    # -- the step's side ----------------------------------------------------------------------
+    def source(self, dev: SyncDevice, flushes: int) -> Tensor:
+        """The kernel's gradient after ``flushes`` flushes since reset (after ``wait_filled``):
+        zeros when none came; the staging slice (compute dtype) after one; else the fp32
+        gradient, into which the last flush, still in staging, is added here (the staging is
+        then handed back, so poisoned on the emulated device)."""
+        if not dev.asynchronous:
+            src = self._set.grad(self.b)
+            return src.zero_() if flushes == 0 else src
+        stage = self._set.stage(self.b)
+        if flushes == 0:
+            if (reader := self._take_reader()) is not None:  # rule 6 on the host
+                reader.wait()
+            return stage.zero_()
+        if self._moved == 0:
+            return stage
+        fp32 = self._set.grad(self.b).add_(stage)
+        dev.handed_back(stage)
+        self._moved += 1
+        return fp32
+
+    def weights_out(self) -> Tensor:
+        """Where the kernel writes the new half weights for the copy up: the staging slice."""
+        return self._set.stage(self.b)
+
+    def weights_read_by(self, event: Event | None) -> None:
+        """The weights written over staging are read by the copy ending at ``event``."""
+        self._read_by = event
+
+    def _take_reader(self) -> Event | None:
+        reader, self._read_by = self._read_by, None
+        return reader
