@@ -38,8 +38,9 @@ device (CUDA)
     ``5 a s / H`` term is eager attention's ``a s^2`` scores, softmax and dropout per layer
     (``attention="eager"``, the default); ``attention="memory-efficient"`` (SDPA/flash kernels)
     drops it. With ``activation_checkpointing`` each of the ``L`` layers keeps only its input
-    and one layer at a time is recomputed in full: ``L s b H h + s b H (34 + 5 a s / H) + s b V (h + 4)``. Not counted: the CUDA
-    context (~0.5 GiB), allocator fragmentation, torch's workspace.
+    and one layer at a time is recomputed in full:
+    ``L s b H h + s b H (34 + 5 a s / H) + s b V (h + 4)``. Not counted: the CUDA context
+    (~0.5 GiB), allocator fragmentation, torch's workspace.
 
 host memory
     ``host_memory`` less ``host_reserve`` (default 10% of it) kept for the OS, Python and data
