@@ -46,8 +46,8 @@ def _number(value: Any, argument: str, units: dict[str, float], what: str,
     else:
         number = float(value)
     if not math.isfinite(number) or number < 0:
-        raise PlanArgumentError(argument, f"{value!r} is not a finite {what} >= 0: use e.g. "
-                                f"{example}")
+        raise PlanArgumentError(argument, f"{value!r} is not {what} (a finite number >= 0): "
+                                f"use e.g. {example}")
     return number
 
 
