@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,9 +123,11 @@ def test_cli_json(capsys):
     assert {tuple(s) for s in out["suggestions"]} == {("change", "fits", "device_bytes",
                                                        "host_bytes")}
     ref = plan(10e9, device_memory="24GiB", host_memory="128GiB", measure=False)
-    # 14 bytes per parameter on the host (no accumulation): 130.9 GiB
+    # 14 bytes per parameter on the host (no accumulation): 130.9 GiB, of 115.2 GiB usable (128
+    # GiB less the default 10% reserve)
     assert out["host_bytes_per_rank"] == ref.host_bytes_per_rank and out["fits"] is False
-    assert 9e9 < out["max_params_that_fit"] < 10e9
+    assert out["host_reserve"] == int(0.1 * 128 * 2**30)
+    assert 8.5e9 < out["max_params_that_fit"] < 9e9
     assert out["cpu_step_seconds"] == pytest.approx(10e9 / out["kernel_params_per_second"])
     with pytest.raises(SystemExit):
         main(["--params", "7e9", "--device-memory", "24 GiBs"])
@@ -150,10 +153,17 @@ def test_model_folder_counts_parameters(tmp_path):
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="exactly one of params"):
         plan()
-    with pytest.raises(ValueError, match="precision='fp8'"):
+    with pytest.raises(ValueError, match="precision: 'fp8' is not supported"):
         plan(1e9, precision="fp8")
-    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+    with pytest.raises(ValueError, match="world_size: 0 is not an int >= 1"):
         plan(1e9, world_size=0)
+    # wrong types: a TypeError naming the argument
+    for kwargs, name in [(dict(params=[7e9]), "params"), (dict(world_size=2.0), "world_size"),
+                         (dict(bucket_size_mb="25"), "bucket_size_mb"),
+                         (dict(host_memory=object()), "host_memory"),
+                         (dict(delayed_update="yes"), "delayed_update")]:
+        with pytest.raises(TypeError, match=f"plan: {name}: got "):
+            plan(**{"params": 1e9, "measure": False, **kwargs})
     with pytest.raises(FileNotFoundError, match="no config.json"):
         plan(model="/nonexistent/model")
 
@@ -204,7 +214,7 @@ def test_cli_moment_dtype(capsys):
                                               moment_dtype="int8").host_bytes_per_rank
     with pytest.raises(SystemExit):
         main(["--params", "7e9", "--moment-dtype", "fp8"])
-    with pytest.raises(ValueError, match="moment_dtype='fp8' is not supported"):
+    with pytest.raises(ValueError, match="moment_dtype: 'fp8' is not supported"):
         plan(7e9, moment_dtype="fp8")
 
 
@@ -213,7 +223,8 @@ CLI = ["--precision", "bf16-mixed", "--device-memory", "24GiB", "--host-memory",
        "--no-measure"]
 # plan() keywords of each change the planner lists, from its flags
 FLAG_KW = {"--moment-dtype": ("moment_dtype", str), "--world-size": ("world_size", int),
-           "--ranks-per-node": ("ranks_per_node", int), "--batch-size": ("batch_size", int)}
+           "--ranks-per-node": ("ranks_per_node", int), "--batch-size": ("batch_size", int),
+           "--seq-len": ("seq_len", int)}
 
 
 def _replan_kwargs(change: str) -> dict:
@@ -227,6 +238,8 @@ def _replan_kwargs(change: str) -> dict:
             out["delayed_update"] = False
         elif words[0] == "--device-memory":
             out["device_memory"] = words[1]
+        elif words[0] == "--attention":
+            out["attention"] = words[1]
         else:
             for flag, value in zip(words[::2], words[1::2], strict=True):
                 key, cast = FLAG_KW[flag]
@@ -261,8 +274,9 @@ def _llama7b(folder: Path) -> Path:
                                         "--world-size 2 --ranks-per-node 1"}),
     # bf16 moments would need 65.2 GiB: only int8 and more ranks fit
     ("7e9", False, "64GiB", "24GiB", {"--moment-dtype int8", "--world-size 2 --ranks-per-node 1"}),
-    # delayed update: a second device copy of the weights (48 GiB device) and 2 more host bytes
-    ("9e9", True, "128GiB", "48GiB", {"--moment-dtype bf16", "--moment-dtype int8",
+    # delayed update: a second device copy of the weights (48 GiB device) and 2 more host bytes;
+    # without it 117.8 GiB, under 136 GiB less the 10% reserve
+    ("9e9", True, "136GiB", "48GiB", {"--moment-dtype bf16", "--moment-dtype int8",
                                       "--world-size 2 --ranks-per-node 1",
                                       "without --delayed-update"}),
 ])
@@ -276,8 +290,10 @@ def test_host_short_names_it_and_the_changes_that_fit(capsys, params, delayed, h
                 measure=False, delayed_update=delayed)
     ref = plan(params, **base)
     assert out["fits"] is False and out["device_fits"] is True
+    usable = parse_bytes(host) - int(0.1 * parse_bytes(host))  # the default 10% reserve
+    assert ref.host_usable == usable
     assert out["short"] == [{"resource": "host", "needed": ref.host_bytes_per_node,
-                             "available": parse_bytes(host)}]
+                             "available": usable}]
     assert {s["change"] for s in out["suggestions"]} == expected
     for s in out["suggestions"]:  # each one, re-planned, fits with the bytes it says
         again = plan(params, **{**base, **_replan_kwargs(s["change"])})
@@ -291,7 +307,7 @@ def test_host_short_names_it_and_the_changes_that_fit(capsys, params, delayed, h
     assert main(flags) == 0
     text = capsys.readouterr().out
     assert (f"  host memory is short: {ref.host_bytes_per_node / 2**30:.2f} GiB needed per "
-            f"node, {parse_bytes(host) / 2**30:.2f} GiB available") in text
+            f"node, {usable / 2**30:.2f} GiB available (after the reserve)") in text
     assert "changes that fit:\n" in text and "device memory is short" not in text
 
 
@@ -327,7 +343,8 @@ def test_llama7b_activations_checkpointing_and_never_zero_largest(tmp_path, caps
     # without checkpointing the activations alone (28.9 GiB) exceed the device: no "0.00B"
     assert plain.device_fits is False and plain.max_params_that_fit is None
     assert plain.max_params_blocked_by == "activations"
-    assert [x["change"] for x in plain.suggestions] == ["--activation-checkpointing"]
+    assert [x["change"] for x in plain.suggestions] == ["--activation-checkpointing",
+                                                        "--attention memory-efficient"]
     assert ckpt.fits and ckpt.max_params_that_fit > 6e9
     assert plan(model_info(folder)["params"], **KW).fits  # the weights alone fit
     flags = ["--model", str(folder / "config.json"), "--batch-size", "1", "--seq-len", "2048",
@@ -336,7 +353,8 @@ def test_llama7b_activations_checkpointing_and_never_zero_largest(tmp_path, caps
     text = capsys.readouterr().out
     assert "0.00B" not in text
     assert "largest model that fits: none at batch 1 x 2048: activations are the limit" in text
-    assert "  use --activation-checkpointing or a smaller --batch-size / --seq-len" in text
+    assert ("  use --activation-checkpointing, --attention memory-efficient or a smaller "
+            "--batch-size / --seq-len") in text
     assert main([*flags, "--activation-checkpointing"]) == 0
     text = capsys.readouterr().out
     assert "fits: yes" in text
@@ -375,12 +393,165 @@ def test_accumulate_figure_once_and_follows_plan_counts(capsys):
 
 def test_13b_fits_one_h200_host_at_the_floor() -> None:
     """Issue 19: with the host at the floor a 128 GiB host trains 13B (bf16 moments) on one
-    GPU, 16B with int8 moments, 9B with fp32 ones; accumulating adds the fp32 gradient."""
+    GPU, 16B with int8 moments, 9B with fp32 ones; accumulating adds the fp32 gradient. That
+    leaves 6.3 GiB for everything else: with the default 10% reserve 13B needs int8 moments."""
+    default = plan(13e9, moment_dtype="bf16", precision="bf16-mixed", device_memory="141GiB",
+                   host_memory="128GiB", measure=False)
+    assert default.fits is False and default.host_fits is False
+    assert "--moment-dtype int8" in {s["change"] for s in default.suggestions}
     kw = dict(precision="bf16-mixed", device_memory="141GiB", host_memory="128GiB",
-              measure=False)
+              host_reserve=0, measure=False)
     assert plan(13e9, moment_dtype="bf16", **kw).fits
     assert plan(13e9, moment_dtype="int8", **kw).max_params_that_fit >= 16e9
     assert plan(13e9, moment_dtype="fp32", **kw).max_params_that_fit >= 9e9
     acc = plan(13e9, moment_dtype="bf16", accumulate=True, **kw)
     assert acc.host_bytes_per_rank - plan(13e9, moment_dtype="bf16", **kw).host_bytes_per_rank \
         == 4 * 13_000_000_000
+
+
+_CFG = json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "vocab_size": 300})
+# (id, options, files in the model folder (then --model is the folder), the option or file the
+# error must name, plan() keywords of the same bad value or None where the CLI alone has it)
+BAD_INPUTS = [
+    ("params-two-dots", ["--params", "1.5.3"], None, "--params", dict(params="1.5.3")),
+    ("params-overflow", ["--params", "1e400"], None, "--params", dict(params="1e400")),
+    ("params-inf", ["--params", "inf"], None, "--params", dict(params=float("inf"))),
+    ("params-over-cap", ["--params", "2e12"], None, "--params", dict(params=2e12)),
+    ("params-negative", ["--params", "-5"], None, "--params", dict(params=-5)),
+    ("host-two-dots", ["--host-memory", "1.2.3GiB"], None, "--host-memory",
+     dict(host_memory="1.2.3GiB")),
+    ("host-overflow", ["--host-memory", "1e400"], None, "--host-memory",
+     dict(host_memory="1e400")),
+    ("device-zero", ["--device-memory", "0"], None, "--device-memory", dict(device_memory=0)),
+    ("device-unit", ["--device-memory", "24 GiBs"], None, "--device-memory",
+     dict(device_memory="24 GiBs")),
+    ("bucket-inf", ["--bucket-size-mb", "inf"], None, "--bucket-size-mb",
+     dict(bucket_size_mb=float("inf"))),
+    ("bucket-zero", ["--bucket-size-mb", "0"], None, "--bucket-size-mb",
+     dict(bucket_size_mb=0.0)),
+    ("ranks-per-node", ["--world-size", "2", "--ranks-per-node", "3"], None, "--ranks-per-node",
+     dict(world_size=2, ranks_per_node=3)),
+    ("world-zero", ["--world-size", "0"], None, "--world-size", dict(world_size=0)),
+    ("seq-zero", ["--seq-len", "0"], None, "--seq-len", dict(seq_len=0)),
+    ("frozen-all", ["--params", "7e9", "--frozen-params", "8e9"], None, "--frozen-params",
+     dict(params=7e9, frozen_params=8e9)),
+    ("reserve-all", ["--host-memory", "64GiB", "--host-reserve", "100%"], None,
+     "--host-reserve", dict(host_memory="64GiB", host_reserve="100%")),
+    ("reserve-over", ["--host-memory", "64GiB", "--host-reserve", "80GiB"], None,
+     "--host-reserve", dict(host_memory="64GiB", host_reserve="80GiB")),
+    ("reserve-unit", ["--host-memory", "64GiB", "--host-reserve", "ten"], None,
+     "--host-reserve", dict(host_memory="64GiB", host_reserve="ten")),
+    ("config-not-json", [], {"config.json": "{not json"}, "config.json", {}),
+    ("config-a-list", [], {"config.json": "[1, 2]"}, "config.json", {}),
+    ("config-bad-shape", [], {"config.json": json.dumps({"hidden_size": "64"})}, "config.json",
+     {}),
+    ("safetensors-header", [], {"config.json": _CFG,
+                                "model.safetensors": (20).to_bytes(8, "little") + b"{oops"},
+     "model.safetensors", {}),
+    ("safetensors-short", [], {"config.json": _CFG, "model.safetensors": b"abc"},
+     "model.safetensors", {}),
+    ("safetensors-no-shape", [], {"config.json": _CFG, "model.safetensors":
+                                  (11).to_bytes(8, "little") + b'{"w": {}}  '},
+     "model.safetensors", {}),
+    ("model-missing", ["--model", "/nonexistent/model"], None, "/nonexistent/model", None),
+]
+
+
+@pytest.mark.parametrize("options,files,name,api", [row[1:] for row in BAD_INPUTS],
+                         ids=[row[0] for row in BAD_INPUTS])
+def test_bad_inputs_exit_2_naming_the_option(tmp_path, capsys, options, files, name, api):
+    """Each bad value: ``lzo-plan`` exits 2 with ``lzo-plan: error:`` naming the option (or the
+    file), never a traceback; ``plan()`` raises a ValueError naming the argument (or file)."""
+    argv = ["--no-measure", *options]
+    if files is not None:
+        for fname, content in files.items():
+            (tmp_path / fname).write_bytes(content if isinstance(content, bytes)
+                                           else content.encode())
+        argv += ["--model", str(tmp_path)]
+    elif "--params" not in argv and "--model" not in argv:
+        argv += ["--params", "7e9"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "lzo-plan: error:" in err and name in err and "Traceback" not in err, err
+    if api is None:
+        return
+    kwargs = {"measure": False, **api}
+    if files is not None:
+        kwargs["model"] = tmp_path
+    elif "params" not in kwargs:
+        kwargs["params"] = 7e9
+    argument = name.lstrip("-").replace("-", "_") if name.startswith("--") else name
+    with pytest.raises(ValueError, match=re.escape(argument)):
+        plan(**kwargs)
+
+
+LLAMA_BIG_BATCH = dict(batch_size=4, seq_len=4096, precision="bf16-mixed",
+                       device_memory="24GiB", host_memory="64GiB", measure=False)
+
+
+def test_activations_the_limit_advises_reducing_them_not_a_larger_device(tmp_path, capsys):
+    """Issue 29 item 9: Llama-7B at batch 4 x 4096: the weights (12.55 GiB) fit 24 GiB, the
+    eager-attention activations (391 GiB) do not: the changes offered reduce activations (each
+    re-planned to a fit, paired with a host change: 64 GiB is short too), never a larger
+    device, and the output says the estimate assumes eager attention."""
+    folder = _llama7b(tmp_path)
+    p = plan(model=folder, **LLAMA_BIG_BATCH)
+    assert p.device_bytes - p.activation_bytes <= 24 * 2**30 < p.device_bytes
+    changes = [s["change"] for s in p.suggestions]
+    assert changes and not any("--device-memory" in c for c in changes), changes
+    assert any("--attention memory-efficient" in c for c in changes), changes
+    assert all("--activation-checkpointing" in c for c in changes), changes
+    for s in p.suggestions:
+        again = plan(model=folder, **{**LLAMA_BIG_BATCH, **_replan_kwargs(s["change"])})
+        assert again.fits and again.device_bytes == s["device_bytes"], s
+    # memory-efficient attention drops the 5 a s / H term (the seq x seq scores)
+    s, b, h, layers, v = 4096, 4, 4096, 32, 32000
+    eff = plan(model=folder, **{**LLAMA_BIG_BATCH, "attention": "memory-efficient"})
+    assert eff.activation_bytes == int(layers * s * b * h * 34 + s * b * v * 6)
+    assert main(["--model", str(folder), "--batch-size", "4", "--seq-len", "4096",
+                 "--device-memory", "24GiB", "--host-memory", "64GiB", "--no-measure"]) == 0
+    text = capsys.readouterr().out
+    assert "eager attention: keeps batch x heads x seq^2 scores" in text
+    assert "--device-memory" not in text.split("changes that fit:")[1]
+    # the weights alone overflow the device: then a larger device is what is offered
+    big = plan(13e9, device_memory="24GiB", host_memory="512GiB", measure=False)
+    assert [s["change"] for s in big.suggestions] == ["--device-memory 25GiB (a larger device)"]
+
+
+def test_params_alone_says_activations_are_left_out(capsys):
+    assert main(["--params", "7e9", *CLI]) == 0
+    text = capsys.readouterr().out
+    assert "note: activations are not counted in the device bytes" in text
+    assert "(same settings; activations not counted)" in text
+
+
+def test_host_reserve_applies_to_fits_and_the_largest_model(capsys):
+    """Issue 29 item 9: a run that takes 99% of the host does not "fit": 10% of it (default,
+    ``--host-reserve``) is kept for the OS, Python and data loaders, in the fit and the search."""
+    need = plan(7e9, measure=False).host_bytes_per_node
+    host = int(need / 0.99)
+    tight = plan(7e9, device_memory="24GiB", host_memory=host, measure=False)
+    assert tight.host_reserve == int(0.1 * host) and tight.fits is False
+    assert tight.short == [{"resource": "host", "needed": need,
+                            "available": host - int(0.1 * host)}]
+    assert plan(7e9, device_memory="24GiB", host_memory=host, host_reserve=0, measure=False).fits
+    largest = tight.max_params_that_fit
+    assert plan(largest, device_memory="24GiB", host_memory=host, measure=False).fits
+    assert plan(largest, measure=False).host_bytes_per_node <= host - tight.host_reserve
+    assert main(["--params", "7e9", "--device-memory", "24GiB", "--host-memory", "128GiB",
+                 "--host-reserve", "8GiB", "--no-measure", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_reserve"] == 8 * 2**30
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--host-reserve" in capsys.readouterr().out
+
+
+def test_small_figures_show_their_unit(capsys):
+    """Small sizes print in KiB/MiB, not "0.00 GiB"."""
+    assert main(["--params", "35000", "--device-memory", "1GiB", "--host-memory", "1GiB",
+                 "--no-measure"]) == 0
+    text = capsys.readouterr().out
+    assert "0.00 GiB" not in text and " KiB" in text and " MiB" in text

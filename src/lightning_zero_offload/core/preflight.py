@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import psutil
 
-GiB = 2**30
+from lightning_zero_offload._units import format_bytes
 
 
 def check_host_memory(needed: int, rank: int) -> None:
@@ -12,10 +12,10 @@ def check_host_memory(needed: int, rank: int) -> None:
     available = psutil.virtual_memory().available
     if needed > available:
         raise MemoryError(
-            f"ZeroOffload: rank {rank} needs {needed / GiB:.2f} GiB of host memory for its "
-            f"optimizer shard ({needed} bytes) but only {available / GiB:.2f} GiB ({available} "
-            "bytes) is available. Use more data-parallel ranks (the shard shrinks as 1/N), a "
-            "smaller model, or free host memory; check_host_memory=False skips this check."
+            f"ZeroOffload: rank {rank} needs {format_bytes(needed, exact=True)} of host memory "
+            f"for its optimizer shard but only {format_bytes(available, exact=True)} is "
+            "available. Use more data-parallel ranks (the shard shrinks as 1/N), a smaller "
+            "model, or free host memory; check_host_memory=False skips this check."
         )
 
 
@@ -25,9 +25,9 @@ def check_lazy_fp32(needed: int, rank: int) -> None:
     available = psutil.virtual_memory().available
     if needed > available:
         raise MemoryError(
-            f"ZeroOffload: this backward accumulates gradients, which needs an fp32 host gradient "
-            f"of {needed / GiB:.2f} GiB ({needed} bytes) on rank {rank}, but only "
-            f"{available / GiB:.2f} GiB ({available} bytes) is available. Set "
+            "ZeroOffload: this backward accumulates gradients, which needs an fp32 host gradient "
+            f"of {format_bytes(needed, exact=True)} on rank {rank}, but only "
+            f"{format_bytes(available, exact=True)} is available. Set "
             "ZeroOffloadConfig(accumulate=True) so the setup check counts it (and fails before "
             "training), or free host memory, use moment_dtype='int8' or more ranks; "
             "check_host_memory=False skips this check."

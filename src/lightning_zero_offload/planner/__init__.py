@@ -1,0 +1,59 @@
+"""Will it fit? Device and host bytes of a ZeRO-Offload run, before building anything.
+
+``plan(7e9, precision="bf16-mixed", device_memory="24GiB", host_memory="128GiB")`` (or the
+``lzo-plan`` command) counts what the engine allocates for a model of that many parameters, says
+whether it fits, the largest model that would, and predicts the CPU step's time from a 0.2 s
+measurement of the fused AdamW kernel on this host. When it does not fit it names the memory
+that is short and the changes that fit (``advice``), each re-planned here. Modules: ``inputs``
+(reading and checking the arguments), ``model`` (a model folder's count and shape, the activation
+estimate), ``figures`` (``plan``: the bytes, the fit, the largest model), ``advice`` (what to
+change), ``report`` (the text), ``cli`` (``lzo-plan``).
+
+``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
+ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
+``bf16-mixed``/``16-mixed``, 4 for ``32-true``):
+
+host, per rank
+    exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
+    functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
+    master weights ``4 S`` and the moments ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``:
+    fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
+    fp32 gradient ``4 S`` (as ``plan_counts`` counts it for a run that accumulates,
+    ``accumulate``, or not; ``host_bytes_accumulating`` is the accumulating figure); on a GPU the
+    gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
+    into power-of-two pinned blocks (CUDA's pinned allocator rounds every block up to a power of
+    two; the fp32 master, pinned in ``32-true``, is rounded whole); with delayed update a second
+    fp32 gradient and staging; the exact copies of frozen parameters ``4 F`` in half precision.
+    With the CPU as compute device the "device" is the host: add the flat weights ``h P`` (twice
+    with delayed update), the frozen ones in the compute dtype ``h F`` and one bucket buffer
+    (two with several ranks).
+device (CUDA)
+    the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
+    update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
+    reduced and copied out: ``core.limits.MAX_IN_FLIGHT``) and, when ``batch_size``/
+    ``seq_len`` and a model config are given, an activation estimate (batch ``b``, sequence
+    ``s``, hidden size ``H``, ``a`` heads, ``L`` layers, vocabulary ``V``) for a decoder-only
+    transformer without recomputation (Korthikanti et al. 2022, 16-bit:
+    ``s b H (34 + 5 a s / H)`` bytes per layer, plus the logits ``s b V (h + 4)``). The
+    ``5 a s / H`` term is eager attention's ``a s^2`` scores, softmax and dropout per layer
+    (``attention="eager"``, the default); ``attention="memory-efficient"`` (SDPA/flash kernels)
+    drops it. With ``activation_checkpointing`` each of the ``L`` layers keeps only its input
+    and one layer at a time is recomputed in full:
+    ``L s b H h + s b H (34 + 5 a s / H) + s b V (h + 4)``. Not counted: the CUDA context
+    (~0.5 GiB), allocator fragmentation, torch's workspace.
+
+host memory
+    ``host_memory`` less ``host_reserve`` (default 10% of it) kept for the OS, Python and data
+    loaders: "fits" and the largest model compare the per-node host bytes with what is left.
+
+Parameter alignment pads every parameter to 16 elements (not counted: under 0.1% for real
+models) and every bucket to ``16 W`` (counted). The largest model that fits keeps the batch, the
+sequence and so the activation estimate; when activations alone leave no room it says so.
+"""
+
+from lightning_zero_offload.planner.cli import main
+from lightning_zero_offload.planner.figures import Plan, plan
+from lightning_zero_offload.planner.inputs import PlanArgumentError, parse_bytes
+from lightning_zero_offload.planner.model import model_info
+
+__all__ = ["Plan", "plan", "parse_bytes", "model_info", "main", "PlanArgumentError"]

@@ -1,0 +1,160 @@
+"""What to change when a run does not fit.
+
+``lzo-plan`` answering "fits: NO" is only useful with the resource that is short and the changes
+that would make it fit. Every change listed here was re-planned with the planner's own counting
+(the ``evaluate`` callable ``plan`` passes in) and fits as a whole; its figures are that plan's.
+
+Device and host bytes depend on different settings (the device on the weights and the
+activations; the host on ``moment_dtype`` and the ranks; delayed update on both), so when both
+are short a fitting change is one device-side change plus one host-side change (pairs are tried
+only when no single change fits). When the weights fit the device and the activations do not,
+the device-side changes are what reduce activations: activation checkpointing, memory-efficient
+attention, a smaller batch (the largest that fits) and, only when batch 1 does not fit either,
+a shorter sequence; a larger device is offered only when the weights alone do not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+GiB = 2**30
+
+Evaluate = Callable[[dict[str, Any]], Any]  # settings overrides -> a Plan (no advice, no search)
+
+
+def short_resources(p: Any) -> list[dict[str, Any]]:
+    """``[{"resource", "needed", "available"}]`` for each memory that is too small (bytes; the
+    host figures are per node: what the run needs and ``host_memory`` less the reserve)."""
+    out = []
+    if p.device_fits is False:
+        out.append({"resource": "device", "needed": p.device_bytes,
+                    "available": p.device_memory})
+    if p.host_fits is False:
+        out.append({"resource": "host", "needed": p.host_bytes_per_node,
+                    "available": p.host_usable})
+    return out
+
+
+def _entry(change: str, q: Any) -> dict[str, Any]:
+    return {"change": change, "fits": bool(q.fits), "device_bytes": q.device_bytes,
+            "host_bytes": q.host_bytes_per_node}
+
+
+def _smallest_world_size(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
+    """The fewest ranks (as many per node as now: more machines) whose host share fits."""
+    start, per_node = s["world_size"], s["ranks_per_node"] or s["world_size"]
+
+    def ok(w: int) -> bool:
+        return bool(evaluate({"world_size": w, "ranks_per_node": per_node}).host_fits)
+
+    lo, hi = start, start + 1  # ok(lo) is False (the host is short now)
+    while not ok(hi):
+        if hi >= 4096:
+            return None
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return {"world_size": hi, "ranks_per_node": per_node}
+
+
+def _largest(key: str, base: dict[str, Any], s: dict[str, Any],
+             evaluate: Evaluate) -> int | None:
+    """The largest ``key`` (batch size or sequence length) below the given one whose device
+    bytes fit with the changes ``base`` (activations grow with it); None if 1 does not."""
+    def ok(v: int) -> bool:
+        return bool(evaluate({**base, key: v}).device_fits)
+
+    if s[key] <= 1 or not ok(1):
+        return None
+    lo, hi = 1, s[key]  # ok(hi) is False (the device is short with these changes)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any]]:
+    """Changes that reduce the activations until the device fits: checkpointing and
+    memory-efficient attention (alone, then together), each at the given batch or else the
+    largest batch that fits; only when none fits, batch 1 and the longest sequence that fits.
+    A change is left out when a part of it fits already."""
+    mods: list[dict[str, Any]] = [{}]
+    if not s["activation_checkpointing"]:
+        mods.append({"activation_checkpointing": True})
+    if s["attention"] == "eager":
+        mods.append({"attention": "memory-efficient"})
+    if len(mods) == 3:
+        mods.append({**mods[1], **mods[2]})
+    found: list[dict[str, Any]] = []
+    for m in mods:
+        if any(f.items() <= m.items() for f in found):
+            continue
+        if m and evaluate(m).device_fits:
+            found.append(m)
+        elif (b := _largest("batch_size", m, s, evaluate)) is not None:
+            found.append({**m, "batch_size": b})
+    if not found:
+        for m in mods:
+            one = {**m, "batch_size": 1} if s["batch_size"] > 1 else m
+            if (q := _largest("seq_len", one, s, evaluate)) is not None:
+                found.append({**one, "seq_len": q})
+                break
+    return found
+
+
+def _flags(o: dict[str, Any]) -> str:
+    parts = []
+    for key, value in o.items():
+        if key == "moment_dtype":
+            parts.append(f"--moment-dtype {value}")
+        elif key == "world_size":
+            parts.append(f"--world-size {value} --ranks-per-node {o['ranks_per_node']}")
+        elif key == "activation_checkpointing":
+            parts.append("--activation-checkpointing")
+        elif key == "attention":
+            parts.append(f"--attention {value}")
+        elif key == "delayed_update":
+            parts.append("without --delayed-update")
+        elif key == "batch_size":
+            parts.append(f"--batch-size {value}")
+        elif key == "seq_len":
+            parts.append(f"--seq-len {value}")
+        elif key == "device_memory":
+            parts.append(f"--device-memory {value // GiB}GiB (a larger device)")
+    return " + ".join(parts)
+
+
+def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any]]:
+    """The changes that make plan ``p`` (settings ``s``) fit: ``{change, fits, device_bytes,
+    host_bytes}`` each, ``host_bytes`` per node. Only changes that re-plan to a fit are listed."""
+    cuda = s["device"] == "cuda"
+    device_side: list[dict[str, Any]] = []
+    host_side: list[dict[str, Any]] = []
+    both: list[dict[str, Any]] = []
+    if s["delayed_update"]:
+        both.append({"delayed_update": False})
+    host_side += [{"moment_dtype": m} for m in ("bf16", "int8") if m != s["moment_dtype"]]
+    if p.host_fits is False and (ranks := _smallest_world_size(s, evaluate)):
+        host_side.append(ranks)
+    weights_fit = p.device_memory is not None and (
+        p.device_bytes - p.activation_bytes <= p.device_memory)
+    if cuda and p.activation_bytes and p.device_fits is False and weights_fit:
+        device_side += _activation_changes(s, evaluate)
+    plans = {id(o): evaluate(o) for o in device_side + host_side + both}
+    fixes_device = [o for o in device_side + both if plans[id(o)].device_fits]
+    if cuda and p.device_fits is False and not weights_fit:  # the weights alone: a larger GPU
+        o = {"device_memory": math.ceil(p.device_bytes / GiB) * GiB}
+        plans[id(o)] = evaluate(o)
+        device_side.append(o)
+        fixes_device.append(o)
+    out = [_entry(_flags(o), plans[id(o)]) for o in device_side + host_side + both
+           if plans[id(o)].fits]
+    if not out:  # both memories short (or delayed update and the host): one change of each
+        for d in fixes_device:
+            for h in host_side:
+                if (q := evaluate({**d, **h})).fits:
+                    out.append(_entry(_flags({**d, **h}), q))
+    return out

@@ -1,0 +1,71 @@
+"""The ``lzo-plan`` command: ``plan``'s arguments as options, its report as text or JSON. A bad
+value exits 2 with ``lzo-plan: error:`` naming the option (or the file) and what is expected."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from lightning_zero_offload.planner.figures import _ELEM, DEFAULT_HOST_RESERVE, MOMENT_DTYPES, plan
+from lightning_zero_offload.planner.inputs import PlanArgumentError
+from lightning_zero_offload.planner.model import ATTENTION
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lzo-plan", description="Will a ZeRO-Offload run fit? "
+                                "Device and host bytes, the largest model that fits, and the "
+                                "CPU step time predicted from this host's kernel speed.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="parameter count: 7e9, 7B, 350M")
+    src.add_argument("--model", help="local HF model folder or its config.json")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(_ELEM))
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=int, help="default: --world-size (one machine)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="compute device (cpu: everything is host memory)")
+    p.add_argument("--device-memory", help="per device, e.g. 24GiB")
+    p.add_argument("--host-memory", help="per machine, e.g. 128GiB")
+    p.add_argument("--host-reserve", default=DEFAULT_HOST_RESERVE,
+                   help="of --host-memory, kept for the OS, Python and data loaders: a "
+                   "percentage or a size, e.g. 8GiB (default: %(default)s); 'fits' and the "
+                   "largest model use the rest")
+    p.add_argument("--batch-size", type=int, help="per device, for the activation estimate")
+    p.add_argument("--seq-len", type=int, help="for the activation estimate")
+    p.add_argument("--attention", default="eager", choices=ATTENTION,
+                   help="what the activation estimate assumes: eager keeps the batch x heads x "
+                   "seq^2 attention scores; memory-efficient (SDPA/flash kernels) keeps none "
+                   "(default: %(default)s)")
+    p.add_argument("--bucket-size-mb", type=float, default=25.0)
+    p.add_argument("--delayed-update", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="the model recomputes each layer in backward (keeps only layer inputs)")
+    p.add_argument("--accumulate", action="store_true",
+                   help="the run accumulates gradients (accumulate_grad_batches > 1)")
+    p.add_argument("--moment-dtype", default="fp32", choices=list(MOMENT_DTYPES),
+                   help="how the host keeps the Adam moments (ZeroOffloadConfig.moment_dtype)")
+    p.add_argument("--frozen-params", default="0", help="parameters that do not train")
+    p.add_argument("--no-measure", action="store_true", help="skip the 0.2 s kernel timing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``lzo-plan`` command."""
+    p = _parser()
+    a = p.parse_args(argv)
+    try:
+        result = plan(a.params, model=a.model, precision=a.precision, world_size=a.world_size,
+                      ranks_per_node=a.ranks_per_node, device=a.device,
+                      device_memory=a.device_memory, host_memory=a.host_memory,
+                      host_reserve=a.host_reserve, batch_size=a.batch_size, seq_len=a.seq_len,
+                      bucket_size_mb=a.bucket_size_mb, delayed_update=a.delayed_update,
+                      frozen_params=a.frozen_params, measure=not a.no_measure,
+                      moment_dtype=a.moment_dtype, attention=a.attention,
+                      activation_checkpointing=a.activation_checkpointing,
+                      accumulate=a.accumulate)
+    except PlanArgumentError as e:
+        p.error(f"argument {e.option}: {e.problem}")
+    except (ValueError, OSError, ImportError) as e:
+        p.error(str(e))
+    print(json.dumps(result.to_dict()) if a.json else result)
+    return 0

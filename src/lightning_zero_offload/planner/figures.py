@@ -1,0 +1,284 @@
+"""The planner's figures: device and host bytes of a run (``plan``), whether they fit, the
+largest model that would, and the CPU step predicted from the kernel's speed on this host. The
+terms are in the package's docstring (``lightning_zero_offload.planner``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.planner import inputs
+from lightning_zero_offload.planner.advice import short_resources, suggest
+from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
+
+_ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
+MOMENT_DTYPES = ("fp32", "bf16", "int8")
+DEFAULT_HOST_RESERVE = "10%"
+
+
+@dataclass
+class Plan:
+    """What ``plan`` found; every size in bytes, times in seconds."""
+
+    params: int
+    trainable_params: int
+    precision: str
+    world_size: int
+    device: str
+    device_bytes: int
+    device_breakdown: dict[str, int]
+    host_bytes_per_rank: int
+    host_breakdown: dict[str, int]
+    host_bytes_accumulating: int  # per rank, when the run accumulates gradients
+    host_bytes_per_node: int
+    device_memory: int | None
+    host_memory: int | None
+    fits: bool | None
+    device_fits: bool | None
+    host_fits: bool | None
+    max_params_that_fit: int | None
+    cpu_step_seconds: float | None
+    kernel_params_per_second: float | None
+    cpu_threads: int | None
+    notes: list[str] = field(default_factory=list)
+    batch_size: int | None = None
+    seq_len: int | None = None
+    activation_bytes: int = 0  # the device's activation estimate
+    activation_checkpointing: bool = False
+    accumulate: bool = False
+    max_params_blocked_by: str | None = None  # "activations": no model fits at this batch
+    short: list[dict[str, Any]] = field(default_factory=list)  # {resource, needed, available}
+    suggestions: list[dict[str, Any]] = field(default_factory=list)  # advice.suggest
+    host_reserve: int = 0  # of host_memory, kept for the OS, Python and data loaders
+    attention: str = "eager"  # what the activation estimate assumes
+
+    @property
+    def host_usable(self) -> int | None:
+        """Host memory per node the run may take: ``host_memory`` less ``host_reserve``."""
+        return None if self.host_memory is None else self.host_memory - self.host_reserve
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        from lightning_zero_offload.planner.report import render
+
+        return render(self)
+
+
+def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
+            bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str = "fp32",
+            accumulate: bool = False) -> tuple[dict, dict]:
+    """(device breakdown, host breakdown) for these counts. The host side is the engine's own
+    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``, for a
+    run that accumulates gradients or not."""
+    from lightning_zero_offload.core.config import PRECISIONS
+    from lightning_zero_offload.core.host import budget, plan_counts
+    from lightning_zero_offload.core.layout import shard_align
+    from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
+
+    dtype, h = PRECISIONS[precision], _ELEM[precision]
+    half, cpu = h != 4, device == "cpu"
+    unit = shard_align(moment_dtype) * world_size  # buckets pad to this (as core.layout's)
+    bucket = max(unit, bucket_bytes // h // unit * unit)
+    full, rest = divmod(trained, bucket)
+    rest = -(-rest // unit) * unit
+    buckets = [bucket] * full + ([rest] if rest else [])
+    shards = [b // world_size for b in buckets]
+    sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
+                        pinned=not cpu,
+                        moment_dtype=moment_dtype, accumulate=accumulate)
+    host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
+                  delayed=delayed, frozen_bytes=4 * frozen if half else 0,
+                  untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
+    dev: dict[str, int] = {}
+    if not cpu:
+        dev["weights"] = h * (trained + frozen)
+        if delayed:
+            dev["delayed: spare weights"] = h * trained
+        dev[f"gradient buckets ({MAX_IN_FLIGHT + 1})"] = (MAX_IN_FLIGHT + 1) * min(
+            bucket_bytes, h * trained)
+        if activations:
+            dev["activations (estimate)"] = activations
+    return dev, {k: v for k, v in host.items() if v}
+
+
+def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
+                   numel: int = 4 * 2**20, moment_dtype: str = "fp32") -> float:
+    """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master, moments in
+    ``moment_dtype``, the gradient and weight output in the compute dtype), timed for about
+    ``seconds``."""
+    import torch
+
+    from lightning_zero_offload.core.config import PRECISIONS
+    from lightning_zero_offload.ops import Moments, fused_adamw_
+
+    dtype = PRECISIONS[precision]
+    half = dtype != torch.float32
+    p, mom = torch.randn(numel), Moments.zeros(numel, moment_dtype)
+    g = torch.randn(numel).to(dtype)
+    out = torch.empty(numel, dtype=dtype) if half else None
+    def run(step: int) -> None:
+        fused_adamw_(p, g, step=step, lr=1e-4, weight_decay=0.01, out=out,
+                     num_threads=threads, **mom.kernel_args())
+
+    run(1)  # build/load the kernel and touch every page
+    steps, start = 0, time.perf_counter()
+    while True:
+        steps += 1
+        run(steps + 1)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return steps * numel / elapsed
+
+
+def plan(params: int | float | str | None = None, *, model: str | os.PathLike | None = None,
+         precision: str = "bf16-mixed", world_size: int = 1, ranks_per_node: int | None = None,
+         device: str = "cuda", device_memory: int | str | None = None,
+         host_memory: int | str | None = None,
+         host_reserve: int | float | str = DEFAULT_HOST_RESERVE, batch_size: int | None = None,
+         seq_len: int | None = None,
+         bucket_size_mb: float = 25.0, delayed_update: bool = False,
+         frozen_params: int | float | str = 0, measure: bool = True,
+         cpu_threads: int | None = None, moment_dtype: str = "fp32",
+         activation_checkpointing: bool = False, attention: str = "eager",
+         accumulate: bool = False) -> Plan:
+    """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
+    ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
+    the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
+    ``host_reserve`` (``"10%"`` of it or a size such as ``"8GiB"``) kept for the OS, Python and
+    data loaders: "fits" and the largest model use what is left. ``frozen_params`` of the total
+    do not train (e.g. a LoRA base model). ``moment_dtype`` is ``ZeroOffloadConfig.moment_dtype``.
+    ``activation_checkpointing``: the model recomputes each layer in backward. ``attention``:
+    what the activation estimate assumes, ``"eager"`` (the ``seq x seq`` scores are kept) or
+    ``"memory-efficient"`` (SDPA/flash kernels keep none). ``accumulate``: the run accumulates
+    gradients over several backward passes, so its host figure is the accumulating one. When it
+    does not fit, ``short`` names the memory that is short and ``suggestions`` the changes that
+    fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
+    type) naming it."""
+    if (params is None) == (model is None):
+        raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
+                         "or config.json)")
+    inputs.choice(precision, "precision", tuple(_ELEM))
+    inputs.choice(moment_dtype, "moment_dtype", MOMENT_DTYPES)
+    inputs.choice(device, "device", ("cuda", "cpu"))
+    inputs.choice(attention, "attention", ATTENTION)
+    for name, val in (("world_size", world_size), ("ranks_per_node", ranks_per_node),
+                      ("batch_size", batch_size), ("seq_len", seq_len),
+                      ("cpu_threads", cpu_threads)):
+        inputs.positive_int(val, name)
+    if ranks_per_node is not None and ranks_per_node > world_size:
+        raise inputs.PlanArgumentError("ranks_per_node", f"{ranks_per_node} is more than the "
+                                       f"world size ({world_size}): a node holds at most all "
+                                       "the ranks")
+    bucket_mb = inputs.positive_number(bucket_size_mb, "bucket_size_mb")
+    for name, val in (("delayed_update", delayed_update), ("measure", measure),
+                      ("activation_checkpointing", activation_checkpointing),
+                      ("accumulate", accumulate)):
+        inputs.flag(val, name)
+    dev_mem = inputs.memory(device_memory, "device_memory")
+    host_mem = inputs.memory(host_memory, "host_memory")
+    reserve = inputs.reserve(host_reserve, host_mem)
+    info = model_info(model) if model is not None else {}
+    total = inputs.parse_count(params) if params is not None else int(info["params"])
+    frozen = inputs.parse_count(frozen_params, "frozen_params")
+    if total < 1:
+        raise inputs.PlanArgumentError("params", f"{params!r} is not a count >= 1")
+    if frozen >= total:
+        raise inputs.PlanArgumentError("frozen_params", f"{frozen_params!r} is not below the "
+                                       f"parameter count ({total}): something must train")
+    st = dict(total=total, frozen=frozen, info=info, precision=precision,
+              world_size=world_size, ranks_per_node=ranks_per_node, device=device,
+              device_memory=dev_mem, host_memory=host_mem, host_reserve=reserve,
+              batch_size=batch_size, seq_len=seq_len, bucket=int(bucket_mb * 2**20),
+              delayed_update=delayed_update, moment_dtype=moment_dtype,
+              activation_checkpointing=activation_checkpointing, attention=attention,
+              accumulate=accumulate)
+    result = _evaluate(st, search=True)
+    if device == "cpu":
+        result.notes.append("activations are not counted (with the CPU as the device they take "
+                            "host memory too)")
+    elif not result.activation_bytes:
+        result.notes.append("activations are not counted in the device bytes: an estimate "
+                            "needs batch_size, seq_len and a model config (--batch-size, "
+                            "--seq-len, --model) for the hidden size, layers and heads")
+    if result.fits is False:
+        result.short = short_resources(result)
+        result.suggestions = suggest(result, st, lambda o: _evaluate({**st, **o}, search=False))
+    if measure:
+        import torch
+
+        from lightning_zero_offload.core.threads import default_threads
+
+        threads = cpu_threads or default_threads(world_size, torch.device(device),
+                                                 delayed_update)
+        rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
+        result.cpu_threads, result.kernel_params_per_second = threads, rate
+        result.cpu_step_seconds = -(-(total - frozen) // world_size) / rate
+        result.notes.append("the CPU step prediction assumes this host trains the run, each "
+                            f"rank with {threads} threads; a shared or busy machine measures "
+                            "slower")
+    return result
+
+
+def _evaluate(st: dict[str, Any], search: bool) -> Plan:
+    """The plan for settings ``st`` (``plan``'s, resolved), and with ``search`` the largest model
+    that fits with the same settings and the same activation estimate."""
+    total, frozen, device = st["total"], st["frozen"], st["device"]
+    dev_mem, host_mem = st["device_memory"], st["host_memory"]
+    usable = None if host_mem is None else host_mem - st["host_reserve"]
+    ranks = st["ranks_per_node"] or st["world_size"]
+    acts = activation_bytes(st["info"], st["batch_size"], st["seq_len"], st["precision"],
+                            st["activation_checkpointing"], st["attention"])
+
+    def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int) -> tuple[dict, dict]:
+        return _counts(n_trained, n_frozen, st["precision"], st["world_size"], device,
+                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate)
+
+    def fit(d: int, hb: int) -> tuple[bool | None, bool | None]:
+        dfit = (True if usable is not None else None) if device == "cpu" else (
+            None if dev_mem is None else d <= dev_mem)
+        return dfit, None if usable is None else hb * ranks <= usable
+
+    dev, host = sizes(total - frozen, frozen, st["accumulate"], acts)
+    dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
+    host_acc = host_bytes if st["accumulate"] else sum(
+        sizes(total - frozen, frozen, True, acts)[1].values())
+    device_fits, host_fits = fit(dev_bytes, host_bytes)
+    fits = None if None in (device_fits, host_fits) else bool(device_fits and host_fits)
+    notes = []
+    if fits and usable is not None and not st["accumulate"] and host_acc * ranks > usable:
+        notes.append(f"with --accumulate (an fp32 host gradient) it would not fit: "
+                     f"{format_bytes(host_acc * ranks)} per node")
+    largest = blocked = None
+    if search and fits is not None:  # bytes grow with the model: bisect on the total
+        share = frozen / total  # (same frozen share; batch, sequence and activations held)
+
+        def ok(n: int, a: int = acts) -> bool:
+            nf = int(n * share)
+            d, hb = sizes(n - nf, nf, st["accumulate"], a)
+            return all(fit(sum(d.values()), sum(hb.values())))
+
+        lo, hi = 0, 1
+        while ok(hi):
+            if hi == inputs.MAX_PARAMS:  # as far as the planner counts
+                lo = hi
+                break
+            lo, hi = hi, min(hi * 2, inputs.MAX_PARAMS)
+        while hi - lo > max(1, lo // 10**4):
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        largest = lo
+        if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
+            largest, blocked = None, "activations"
+    return Plan(total, total - frozen, st["precision"], st["world_size"], device, dev_bytes,
+                dev, host_bytes, host, host_acc, host_bytes * ranks, dev_mem, host_mem, fits,
+                device_fits, host_fits, largest, None, None, None, notes,
+                batch_size=st["batch_size"], seq_len=st["seq_len"], activation_bytes=acts,
+                activation_checkpointing=st["activation_checkpointing"],
+                accumulate=st["accumulate"], max_params_blocked_by=blocked,
+                host_reserve=st["host_reserve"], attention=st["attention"])

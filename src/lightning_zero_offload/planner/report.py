@@ -1,0 +1,77 @@
+"""The planner's text report (what ``lzo-plan`` prints and ``str(plan(...))`` gives). Sizes are
+printed in the unit that shows them (``_units.format_bytes``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_zero_offload._units import format_bytes
+
+
+def _size(b: int | None) -> str:
+    return "-" if b is None else format_bytes(b)
+
+
+def _activation_terms(p: Any) -> str:
+    kept = ("layer inputs kept: --activation-checkpointing" if p.activation_checkpointing
+            else "no recomputation")
+    attention = ("eager attention: keeps batch x heads x seq^2 scores" if p.attention == "eager"
+                 else "memory-efficient attention: no seq^2 scores")
+    return f" ({kept}; {attention})"
+
+
+def _activation_fixes(p: Any) -> str:
+    fixes = [] if p.activation_checkpointing else ["--activation-checkpointing"]
+    fixes += ["--attention memory-efficient"] if p.attention == "eager" else []
+    return ", ".join(fixes) + (" or " if fixes else "") + "a smaller --batch-size / --seq-len"
+
+
+def render(p: Any) -> str:
+    """The planner's text report of plan ``p``."""
+    yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
+    lines = [f"lzo-plan: {p.params / 1e9:.3f}B parameters "
+             f"({p.trainable_params / 1e9:.3f}B trained), {p.precision}, "
+             f"world size {p.world_size}, compute device {p.device}"]
+    if p.device == "cuda":
+        lines.append(f"device bytes: {_size(p.device_bytes)} of {_size(p.device_memory)}")
+        lines += [f"  {k:<26} {_size(v)}" for k, v in p.device_breakdown.items()]
+        if p.activation_bytes:
+            lines[-1] += _activation_terms(p)
+    if p.accumulate:
+        run = "the run accumulates gradients: --accumulate"
+    elif p.host_bytes_accumulating == p.host_bytes_per_rank:
+        run = "the same with --accumulate"
+    else:
+        run = f"with --accumulate: {_size(p.host_bytes_accumulating)}"
+    lines.append(f"host bytes per rank: {_size(p.host_bytes_per_rank)} ({run}); "
+                 f"per node {_size(p.host_bytes_per_node)} of {_size(p.host_usable)}" +
+                 ("" if p.host_memory is None else
+                  f" ({_size(p.host_memory)} less a {_size(p.host_reserve)} reserve for the "
+                  "OS, Python and data loaders: --host-reserve)"))
+    lines += [f"  {k:<26} {_size(v)}" for k, v in p.host_breakdown.items()]
+    lines.append(f"fits: {yes[p.fits]}")
+    lines += [f"  {s['resource']} memory is short: {_size(s['needed'])} needed"
+              f"{' per node' if s['resource'] == 'host' else ''}, {_size(s['available'])} "
+              f"available{' (after the reserve)' if s['resource'] == 'host' else ''}"
+              for s in p.short]
+    if p.fits is False:
+        lines.append("changes that fit:" if p.suggestions else
+                     "changes that fit: none among moment dtype, ranks, activation "
+                     "checkpointing, attention, delayed update, batch size, sequence length")
+        lines += [f"  {e['change']}: device {_size(e['device_bytes'])}, "
+                  f"host {_size(e['host_bytes'])} per node" for e in p.suggestions]
+    if p.max_params_blocked_by == "activations":
+        lines.append(f"largest model that fits: none at batch {p.batch_size} x {p.seq_len}: "
+                     f"activations are the limit (estimate {_size(p.activation_bytes)}, device "
+                     f"{_size(p.device_memory)})")
+        lines.append("  use " + _activation_fixes(p))
+    elif p.max_params_that_fit is not None:
+        lines.append(f"largest model that fits: {p.max_params_that_fit / 1e9:.2f}B parameters "
+                     "(same settings" + (", activations held at this batch and model)"
+                                         if p.activation_bytes else "; activations not counted)"))
+    rate = p.kernel_params_per_second
+    if p.cpu_step_seconds is not None and rate is not None:
+        lines.append(f"predicted CPU step: {p.cpu_step_seconds:.3f} s per optimizer step "
+                     f"({rate / 1e9:.2f} G params/s measured here with {p.cpu_threads} threads)")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
