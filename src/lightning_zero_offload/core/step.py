@@ -15,6 +15,7 @@ The step owns its counters (steps per group and per parameter, the loss scaler) 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 from lightning_zero_offload.ops import fused_adamw_
 
+logger = logging.getLogger(__name__)
 Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
 
 
@@ -93,6 +95,7 @@ class Stepper:
         self._clip_norm: float | None = None
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        self._told_warmup = False  # the delayed update's warm-up is logged once
 
     # -- the decision -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> float:
@@ -227,6 +230,12 @@ class Stepper:
             push = weights.push(k, weights.spare)
             self.delayed.submit(k, push, self._kernel, plan, sources, used, push, False)
         else:
+            if cfg.delayed_update and not self._told_warmup and self.rank == 0:
+                self._told_warmup = True  # a run shorter than the warm-up would never overlap
+                w = cfg.delayed_update_warmup
+                logger.warning("delayed update starts after %d warm-up steps "
+                               "(delayed_update_warmup=%d); until then each step runs "
+                               "synchronously", w, w)
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
                 with weights.push(k, weights.live) as push:
