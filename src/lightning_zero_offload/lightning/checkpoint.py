@@ -28,6 +28,8 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lightning.fabric.utilities import rank_zero_warn
+
 from lightning_zero_offload.core.checkpoint import files, formats
 
 if TYPE_CHECKING:
@@ -112,8 +114,6 @@ def load_single(path: _PATH, load: Callable[[], Any], entries: Collection[str]) 
             f"{sorted(map(str, checkpoint))[:6]}). Use another checkpoint."
         )
     if saved is None:
-        from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
         rank_zero_warn(f"checkpoint {name!r} has no zero_offload checksum (it was not written by "
                        "the zero_offload strategy), so it cannot be checked for damage; loading "
                        "it as it is")
