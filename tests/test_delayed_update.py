@@ -9,6 +9,7 @@ forward runs on weights through k-1), and a flush copies the latest.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -255,3 +256,23 @@ def test_default_threads_share_this_process_cores(monkeypatch: pytest.MonkeyPatc
     assert default_threads(4, cpu, False) == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert default_threads(8, cpu, False) == 8 and default_threads(8, cpu, True) == 7
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_warmup_is_logged_once(caplog: pytest.LogCaptureFixture, delayed: bool) -> None:
+    """A run shorter than the warm-up never overlaps: the first step says so, once."""
+    eng = tiny_engine(precision="32-true", delayed_update=delayed, delayed_update_warmup=W)
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload")
+    for x, y in batches(W + 2):  # past the warm-up too: still one line
+        eng.backward(lm_loss(eng.module(x), y))
+        eng.step()
+        eng.zero_grad()
+    eng.teardown()
+    said = [r for r in caplog.records if "warm-up" in r.getMessage()]
+    if not delayed:
+        assert said == []
+        return
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert said[0].getMessage() == (f"delayed update starts after {W} warm-up steps "
+                                    f"(delayed_update_warmup={W}); until then each step runs "
+                                    "synchronously")

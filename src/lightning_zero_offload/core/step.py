@@ -12,6 +12,7 @@ counters (steps per group and per parameter, the loss scaler) and their ``state_
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +28,8 @@ from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker
 from lightning_zero_offload.core.update import HostUpdate, Run, StepPlan
 from lightning_zero_offload.core.weights import DeviceWeights
+
+logger = logging.getLogger(__name__)
 
 
 def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, int]]]:
@@ -74,6 +77,7 @@ class Stepper:
         self._clip_norm: float | None = None
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
+        self._told_warmup = False  # the delayed update's warm-up is logged once
 
     # -- the decision -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> float:
@@ -198,6 +202,12 @@ class Stepper:
         elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
             self.delayed.submit(k, plan, self.streamer.fold_last_flush())
         else:
+            if cfg.delayed_update and not self._told_warmup and self.rank == 0:
+                self._told_warmup = True  # a run shorter than the warm-up would never overlap
+                w = cfg.delayed_update_warmup
+                logger.warning("delayed update starts after %d warm-up steps "
+                               "(delayed_update_warmup=%d); until then each step runs "
+                               "synchronously", w, w)
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
                 with weights.push(k, weights.live) as push:

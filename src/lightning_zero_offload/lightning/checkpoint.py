@@ -11,15 +11,24 @@ rank 0 with everything else (loops, callbacks, schedulers, hyperparameters). It 
 world size; :func:`consolidate_checkpoint` turns it into a consolidated file offline. Every file
 of it is read weights-only (whatever ``weights_only`` Lightning passes: it drops the argument
 when ``restore_checkpoint_after_setup`` is set) with its checksum verified.
+
+A consolidated file carries the engine's checksum (:func:`with_checksum`, one extra string entry
+that ``torch.load`` and ``load_from_checkpoint`` pass over), which the strategies verify when
+they load it (:func:`load_single`): a damaged, truncated or unreadable file raises
+:class:`CheckpointError` naming it. A file without the entry (written by another strategy, or
+before the entry existed) still loads, with a warning that it could not be checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_zero_offload.core.checkpoint import files, formats
 
@@ -51,6 +60,64 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
         if scaler:
             state["scaler"] = scaler
     return state
+
+
+def with_checksum(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` plus its checksum under ``files.CHECKSUM_KEY`` (the engine's CRC-32)."""
+    return {**checkpoint, files.CHECKSUM_KEY: files.checksum(checkpoint)}
+
+
+@contextlib.contextmanager
+def _reading(path: _PATH) -> Iterator[None]:
+    """A file that cannot be loaded raises a CheckpointError naming it (torch's own message for a
+    file that is not a pickle advises ``weights_only=False``: wrong for a damaged file)."""
+    try:
+        yield
+    except (formats.CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except Exception as e:
+        unsafe = files._unsafe_types(e)
+        what = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
+        if unsafe and what:  # a readable pickle of other types (hyperparameters, say)
+            raise formats.CheckpointError(
+                f"checkpoint file {str(path)!r} holds objects other than tensors and plain Python "
+                f"values; they are not loaded, since unpickling them could run code ({what[0]}). "
+                "If you trust the file, allow their types with torch.serialization.add_safe_globals"
+            ) from None
+        cause = e.__context__ if unsafe and e.__context__ else e  # the unpickler's own words
+        detail = (str(cause).splitlines() or [""])[0][:200]
+        raise formats.CheckpointError(
+            f"checkpoint file {str(path)!r} cannot be read: it is damaged, truncated or not a "
+            f"checkpoint ({type(cause).__name__}: {detail}). Use another checkpoint."
+        ) from None
+
+
+def load_single(path: _PATH, load: Callable[[], Any], entries: Collection[str]) -> dict[str, Any]:
+    """``load()``'s single-file checkpoint with its checksum verified and removed; ``entries``
+    are the keys it must hold. A file without a checksum loads with a warning."""
+    with _reading(path):
+        checkpoint = load()
+    name = str(path)
+    if not isinstance(checkpoint, dict):
+        raise formats.CheckpointError(f"{name!r} is not a checkpoint (it holds a "
+                                      f"{type(checkpoint).__name__}); use another checkpoint")
+    saved = checkpoint.pop(files.CHECKSUM_KEY, None)
+    if saved is not None and saved != files.checksum(checkpoint):
+        raise formats.CheckpointError(
+            f"checkpoint file {name!r} is damaged: its content does not match the checksum "
+            "written with it (a changed byte on disk or in transfer). Use another checkpoint."
+        )
+    missing = [key for key in entries if key not in checkpoint]
+    if missing:
+        raise formats.CheckpointError(
+            f"{name!r} is not a checkpoint to load here: it has no {missing[0]!r} entry (it holds "
+            f"{sorted(map(str, checkpoint))[:6]}). Use another checkpoint."
+        )
+    if saved is None:
+        rank_zero_warn(f"checkpoint {name!r} has no zero_offload checksum (it was not written by "
+                       "the zero_offload strategy), so it cannot be checked for damage; loading "
+                       "it as it is")
+    return checkpoint
 
 
 def _sharded_dir(path: object) -> Path | None:
@@ -125,8 +192,8 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike) -
     meta["optimizer_states"] = [optimizer_entry({**full, "scaler": shards[0].get("scaler")})]
     output = files.check_name(output)
     tmp = files.temp_path(output, "tmp", files.new_token())
-    try:  # a plain Lightning file (no checksum entry), renamed into place when complete
-        torch.save(meta, tmp)
+    try:  # a plain Lightning file (plus the checksum), renamed into place when complete
+        torch.save(with_checksum(meta), tmp)
         os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)

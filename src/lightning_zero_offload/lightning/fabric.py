@@ -8,6 +8,7 @@ is not wrapped in DDP; the engine reduces and partitions gradients itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -253,7 +254,8 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             entries["optimizer"] = ckpt.optimizer_entry(full)
         converted.update({key: entries[kind] for key, kind in owned.items()})
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)
+            self.checkpoint_io.save_checkpoint(ckpt.with_checksum(converted), path,
+                                               storage_options=storage_options)
 
     @override
     def load_checkpoint(
@@ -280,7 +282,9 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             engine.load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
             checkpoint.pop(_OWNED, None)
         else:
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            load = functools.partial(self.checkpoint_io.load_checkpoint, path,
+                                     weights_only=weights_only)
+            checkpoint = ckpt.load_single(path, load, owned)
             entries = {kind: checkpoint.pop(key) for key, kind in owned.items()}
             if "model" not in entries:
                 raise ValueError("Load the optimizer state together with its model")

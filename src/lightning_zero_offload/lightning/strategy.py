@@ -10,6 +10,7 @@ LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Tr
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -331,13 +332,17 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             ckpt.save_sharded(engine, checkpoint, filepath, self.is_global_zero)
             self.barrier("zero_offload_save")
             return
+        if self.is_global_zero:  # the rank that writes it
+            checkpoint = ckpt.with_checksum(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
         if ckpt.is_sharded(checkpoint_path):
             return ckpt.load_sharded_meta(checkpoint_path, weights_only)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = functools.partial(super().load_checkpoint, checkpoint_path,
+                                 weights_only=weights_only)
+        return ckpt.load_single(checkpoint_path, load, ["state_dict"])
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -148,8 +148,9 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
         logger.debug("kernel: loaded the build in %s", build_dir)
         return module
     build_dir.mkdir(parents=True, exist_ok=True)
-    # The compile takes ~20 s and torch's loader says nothing (verbose=False): say why we pause.
-    print(f"lightning-zero-offload: building the CPU Adam kernel (first use, ~20 s) in "
+    # The compile takes about a minute (60-90 s on 2 cores) and torch's loader says nothing
+    # (verbose=False): say why we pause.
+    print(f"lightning-zero-offload: building the CPU Adam kernel (first use, about a minute) in "
           f"{build_dir}...", file=sys.stderr, flush=True)
     env_path = os.environ.get("PATH", "")
     # ninja is a dependency; make the venv's copy visible even when the venv is not activated.
