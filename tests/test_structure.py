@@ -129,3 +129,39 @@ def test_modules_are_small() -> None:
     big = {str(p.relative_to(SRC)): n for p in _modules().values()
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def _attribute_writes(tree: ast.AST) -> tuple[set[str], list[tuple[int, str, str]]]:
+    """(names a module assigns on ``self``, [(line, base, name)] it assigns on other objects)."""
+    own: set[str] = set()
+    other: list[tuple[int, str, str]] = []
+    for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for el in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(el, ast.Subscript):  # x.attr[i] = ... writes x.attr too
+                    el = el.value
+                if not isinstance(el, ast.Attribute):
+                    continue
+                base = ast.unparse(el.value)
+                if base in ("self", "cls"):
+                    own.add(el.attr)
+                else:
+                    other.append((node.lineno, base, el.attr))
+    return own, other
+
+
+def test_no_core_module_writes_another_owners_attribute() -> None:
+    """Each kind of state has one owner: no module of ``core`` assigns (or item-assigns) an
+    attribute that another module's classes own, i.e. assign on ``self``. Torch's own fields
+    (``param.grad``) are not ours and not counted."""
+    modules = {p: _attribute_writes(ast.parse(p.read_text()))
+               for p in sorted((PKG / "core").rglob("*.py"))}
+    bad = []
+    for path, (own, other) in modules.items():
+        for line, base, name in other:
+            owners = [q.name for q, (theirs, _) in modules.items() if q != path and name in theirs]
+            if owners and name not in own:
+                bad.append(f"{path.relative_to(SRC)}:{line} writes {base}.{name} ({owners})")
+    assert not bad, "\n".join(bad)

@@ -205,6 +205,9 @@ class GradSet:
         assert self.staging is not None
         return self.staging[b]
 
+    def free(self) -> None:
+        self.fp32 = self.staging = self._arena = None
+
     def nbytes(self) -> int:
         out = sum(t.numel() * 4 for t in self.fp32 or [])
         return out + (self._arena.nbytes if self._arena is not None else 0)
@@ -346,4 +349,4 @@ class HostBuffers:
         self.master, self.moments = [], []
         for s in (self.grads, self.spare):
             if s is not None:
-                s.fp32 = s.staging = s._arena = None
+                s.free()
