@@ -43,9 +43,9 @@ def torch_args() -> list[str]:
 
 
 def ensure_venv() -> Path:
-    """Create the venv and install torch plus this package with every extra (``all``: the
-    Lightning, Accelerate, transformers, TRL/PEFT, plot and torchao extras) and the dev tools,
-    once per pyproject and torch pin."""
+    """Create the venv and install torch plus this package with its extras (``all``: the
+    Lightning, Accelerate, transformers, TRL/PEFT and plot extras; not torchao) and the dev
+    tools, once per pyproject and torch pin."""
     py = _python()
     if not py.exists():
         venv.EnvBuilder(with_pip=True).create(VENV)

@@ -2,8 +2,8 @@
 
 Input: JSON written by ``ProfileRecorder.dump`` / ``engine.profile`` (``{"records": [...]}``); one
 panel per file, so a plain and a delayed-update run can be compared on one figure. The drawing is
-the package's (``python -m lightning_zero_offload.profile plot`` draws saved files without this
-script); this script adds ``--demo``::
+the package's (``python -m lightning_zero_offload.profile_report plot`` draws saved files without
+this script); this script adds ``--demo``::
 
     python benchmarks/timeline.py out/plain.json out/delayed.json --labels plain delayed -o t.png
     python benchmarks/timeline.py --demo -o t.png   # tiny CPU run with the engine, then draw
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lightning_zero_offload.profile import draw, load
+from lightning_zero_offload.profile_report import draw, load
 
 
 def demo(workdir: Path, steps: int) -> list[tuple[str, Path]]:

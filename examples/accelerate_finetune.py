@@ -36,7 +36,7 @@ from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from lightning_zero_offload.accelerate import ZeroOffloadPlugin
-from lightning_zero_offload.profile import format_summary
+from lightning_zero_offload.profile_report import format_summary
 
 
 @dataclass

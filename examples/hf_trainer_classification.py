@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import AutoModel, AutoTokenizer, DataCollatorWithPadding  # noqa: E402
 
-from lightning_zero_offload.profile import format_summary  # noqa: E402
+from lightning_zero_offload.profile_report import format_summary  # noqa: E402
 from lightning_zero_offload.transformers import (  # noqa: E402
     ZeroOffloadTrainer,
     ZeroOffloadTrainingArguments,

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_zero_offload import ZeroOffloadStrategy  # importing registers "zero_offload"
-from lightning_zero_offload.profile import format_summary
+from lightning_zero_offload.profile_report import format_summary
 
 # hidden, layers, heads (intermediate about 8/3 * hidden as in Llama); names give the parameter
 # count, which is nearly all in the blocks since the byte vocabulary is only 256

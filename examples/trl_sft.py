@@ -9,7 +9,7 @@ the ZeRO-Offload engine; saves an adapter that ``peft`` loads.
 
 The trainer is TRL's own, with ``ZeroOffloadMixin`` first in its bases, and the arguments are
 ``ZeroOffloadSFTConfig`` (``SFTConfig`` plus ``zero_offload``/``zero_offload_config``, from
-``lightning_zero_offload.hf_args``), so every ``SFTConfig`` option still applies. Only the LoRA
+``lightning_zero_offload.transformers``), so every ``SFTConfig`` option still applies. Only the LoRA
 weights train: the engine keeps their fp32 master weights and AdamW moments on the host and
 steps them with the fused CPU AdamW; the frozen base weights stay on the device in the compute
 dtype (their exact values on the host). ``--output-dir`` receives the adapter
@@ -110,8 +110,7 @@ class SFTRecipe:
         )
         from trl import SFTTrainer
 
-        from lightning_zero_offload.hf_args import ZeroOffloadSFTConfig
-        from lightning_zero_offload.transformers import ZeroOffloadMixin
+        from lightning_zero_offload.transformers import ZeroOffloadMixin, ZeroOffloadSFTConfig
 
         class OffloadSFTTrainer(ZeroOffloadMixin, SFTTrainer):
             """TRL's SFTTrainer on the ZeRO-Offload engine."""
@@ -162,7 +161,7 @@ class SFTRecipe:
               f"LoRA r={cfg.lora_r}: {n_train / 1e6:.3f}M of {n_all / 1e6:.2f}M parameters train")
 
     def train(self) -> list[float]:
-        from lightning_zero_offload.profile import format_summary
+        from lightning_zero_offload.profile_report import format_summary
 
         result = self.trainer.train()
         losses = [h["loss"] for h in self.trainer.state.log_history if "loss" in h]

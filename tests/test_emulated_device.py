@@ -283,3 +283,25 @@ def test_delayed_weight_copy_span_ends_with_its_copies() -> None:
     delayed = [r for r in engine.profile if r.step > 2]
     assert delayed and all(0.0 < r.weight_copy < 0.25 for r in delayed)
     engine.teardown()
+
+
+def test_the_seed_variable_puts_a_cpu_engine_on_the_emulated_device(monkeypatch) -> None:
+    """``LZO_EMULATED_DEVICE_SEED`` alone (no block) chooses the emulated device; unset, the plain
+    CPU one. (``import lightning_zero_offload`` does not load it: tests/test_imports.py.)"""
+    from lightning_zero_offload.core.device import SyncDevice
+    from lightning_zero_offload.testing import EmulatedDevice
+
+    monkeypatch.setenv("LZO_EMULATED_DEVICE_SEED", "1")
+    engine = tiny_engine()
+    assert isinstance(engine._dev, EmulatedDevice)
+    engine.teardown()
+    monkeypatch.delenv("LZO_EMULATED_DEVICE_SEED")
+    engine = tiny_engine()
+    assert type(engine._dev) is SyncDevice
+    engine.teardown()
+
+
+def test_a_seed_variable_that_is_not_an_integer_is_refused_naming_it(monkeypatch) -> None:
+    monkeypatch.setenv("LZO_EMULATED_DEVICE_SEED", "yes")
+    with pytest.raises(ValueError, match="LZO_EMULATED_DEVICE_SEED='yes' is not an integer"):
+        tiny_engine()

@@ -1,6 +1,6 @@
-"""The emulated device's race detector (``core.races``): a missing wait of any kind raises
-``StreamOrderError``, naming the streams, the buffer's role and the rule; without skips the run
-is clean and unchanged."""
+"""The emulated device's race detector (``testing.race_detector``): a missing wait of any kind
+raises ``StreamOrderError``, naming the streams, the buffer's role and the rule; without skips the
+run is clean and unchanged."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from _dist import run_ranks
 from _helpers import tiny_engine, train
 from _tiny_gpt import batches, lm_loss
 
-from lightning_zero_offload.core.emulated import EmulatedDevice
 from lightning_zero_offload.testing import StreamOrderError, emulated_async_device
+from lightning_zero_offload.testing.emulated_device import EmulatedDevice
 
 
 def _loop(skip: set[str], delayed: bool = False) -> list[float]:

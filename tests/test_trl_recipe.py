@@ -40,7 +40,7 @@ def test_sft_config_takes_zero_offload_options_and_bare_flag():
     from transformers import HfArgumentParser
     from trl import SFTConfig
 
-    from lightning_zero_offload.hf_args import ZeroOffloadSFTConfig, with_zero_offload
+    from lightning_zero_offload.transformers import ZeroOffloadSFTConfig, with_zero_offload
 
     assert with_zero_offload(SFTConfig) is ZeroOffloadSFTConfig
     assert issubclass(ZeroOffloadSFTConfig, SFTConfig)

@@ -1,30 +1,59 @@
 """ZeRO-Offload for PyTorch Lightning, Accelerate and the transformers Trainer.
 
-Importing this package registers ``"zero_offload"`` with Lightning's strategy registries when
-Lightning is installed, so ``Trainer(strategy="zero_offload")`` works after ``import
-lightning_zero_offload``.
+Importing this package registers ``"zero_offload"`` with Lightning's strategy registries, so
+``Trainer(strategy="zero_offload")`` and ``Fabric(strategy="zero_offload")`` work after ``import
+lightning_zero_offload``; it does so without importing Lightning (at once if Lightning is already
+loaded, else right after its first import), and loads the names below on first use, so the planner
+and the Accelerate and transformers adapters never pay for Lightning.
 """
 
-from lightning_zero_offload import ops
-from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.cpu_adam import CPUAdam
-from lightning_zero_offload.planner import plan
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+from lightning_zero_offload.lightning.registry import register_when_imported
+
+if TYPE_CHECKING:
+    from lightning_zero_offload import ops
+    from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
+    from lightning_zero_offload.cpu_adam import CPUAdam
+    from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy, ZeroOffloadStrategy
+    from lightning_zero_offload.planner import plan
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["ops", "__version__", "CPUAdam", "ZeroOffload", "ZeroOffloadConfig", "plan"]
+# name -> (module, attribute of it; None: the module itself)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "core": ("lightning_zero_offload.core", None),
+    "ops": ("lightning_zero_offload.ops", None),
+    "CPUAdam": ("lightning_zero_offload.cpu_adam", "CPUAdam"),
+    "ZeroOffload": ("lightning_zero_offload.core", "ZeroOffload"),
+    "ZeroOffloadConfig": ("lightning_zero_offload.core", "ZeroOffloadConfig"),
+    "ZeroOffloadFabricStrategy": ("lightning_zero_offload.lightning", "ZeroOffloadFabricStrategy"),
+    "ZeroOffloadStrategy": ("lightning_zero_offload.lightning", "ZeroOffloadStrategy"),
+    "plan": ("lightning_zero_offload.planner", "plan"),
+}
 
-# Lightning adapter: importing the package registers strategy="zero_offload" (Trainer and Fabric).
-import importlib.util as _importlib_util  # noqa: E402
+__all__ = ["__version__", "CPUAdam", "ZeroOffload", "ZeroOffloadConfig", "ops", "plan"]
+if importlib.util.find_spec("lightning") is not None:  # finds, does not import
+    __all__ += ["ZeroOffloadFabricStrategy", "ZeroOffloadStrategy"]
 
-# Registers the emulated device with the device factory, so LZO_EMULATED_DEVICE_SEED=N (read when
-# an engine is made) runs every CPU engine of the process on it; without the variable, or a
-# testing.emulated_async_device() block, engines keep the plain CPU device.
-from lightning_zero_offload import testing as _testing  # noqa: E402, F401
 
-if _importlib_util.find_spec("lightning") is not None:
-    from lightning_zero_offload.lightning import ZeroOffloadStrategy  # noqa: E402
-    from lightning_zero_offload.lightning import register as _register_lightning  # noqa: E402
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    if attr is not None:
+        value = getattr(value, attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-    _register_lightning()
-    __all__ += ["ZeroOffloadStrategy"]
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+register_when_imported()

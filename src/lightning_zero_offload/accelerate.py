@@ -48,9 +48,7 @@ from accelerate.utils import DistributedType, DynamoBackend  # noqa: E402
 from torch import nn  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
-from lightning_zero_offload.core.collectives import destroy_at_exit  # noqa: E402
-from lightning_zero_offload.core.config_env import (  # noqa: E402
+from lightning_zero_offload.config_env import (  # noqa: E402
     ENV_CONFIG,
     ENV_PREFIX,
     build_config,
@@ -59,6 +57,8 @@ from lightning_zero_offload.core.config_env import (  # noqa: E402
     load_config_file,
     zero_offload_enabled,
 )
+from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
+from lightning_zero_offload.core.collectives import destroy_at_exit  # noqa: E402
 from lightning_zero_offload.core.optimizer import mark_stepped  # noqa: E402
 
 __all__ = [

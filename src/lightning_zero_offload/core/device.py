@@ -7,10 +7,10 @@ this interface, which has three implementations:
   when recorded, waits do nothing. Released bucket buffers go to a small pool, so large buffers
   are not page-faulted in again every backward.
 - :class:`CudaDevice`: a line-by-line mapping onto ``torch.cuda.Stream``/``Event``.
-- ``core.emulated.EmulatedDevice``: for tests on the CPU (``lightning_zero_offload.testing.
-  emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``), which the testing module registers
-  with :func:`make_device` (:func:`register_test_device`). Each side stream is a worker
-  thread running its queue in FIFO order, each item after a seeded random delay; an event
+- ``testing.emulated_device.EmulatedDevice``: for tests on the CPU
+  (``lightning_zero_offload.testing.emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``),
+  which ``core.device_factory.make_device`` loads only when asked for it. Each side stream is a
+  worker thread running its queue in FIFO order, each item after a seeded random delay; an event
   completes when its stream reaches it; released buffers are filled with NaN before anyone can
   have them again, so reading one too early or too late shows up in the result.
 
@@ -25,12 +25,13 @@ The ordering rules the engine must follow, and which of them the emulation check
    compute stream would.
 3. A side stream that reads what the compute stream wrote (a bucket after backward, weights that
    backward still reads) is preceded by :meth:`stream_waits_compute`. Checked by the race
-   detector (``core.races``, on by default on the emulated device): the main thread's torch ops
-   are recorded with a ``TorchDispatchMode`` as the compute stream's, each side stream's items as
-   that stream's, with vector clocks of what each stream and the host waited for; an access to a
-   registered buffer (bucket, staging slice, device weights, 0-d statistic) that no wait orders
-   after another stream's conflicting one raises ``testing.StreamOrderError`` naming both
-   streams, the buffer's role and the rule (it re-checks rules 1, 2 and 4 the same way).
+   detector (``testing.race_detector``, on by default on the emulated device): the main thread's
+   torch ops are recorded with a ``TorchDispatchMode`` as the compute stream's, each side
+   stream's items as that stream's, with vector clocks of what each stream and the host waited
+   for; an access to a registered buffer (bucket, staging slice, device weights, 0-d statistic)
+   that no wait orders after another stream's conflicting one raises
+   ``testing.StreamOrderError`` naming both streams, the buffer's role and the rule (it re-checks
+   rules 1, 2 and 4 the same way).
 4. A device buffer handed to a side stream is released with :meth:`release` on that stream
    (CUDA's ``record_stream``), never dropped while the stream may still use it. Checked: the
    emulation poisons the buffer at that point of the stream and then hands it out again.
@@ -275,24 +276,3 @@ class CudaDevice(SyncDevice):
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None:
             empty_host_cache()
-
-
-# Chooses the device of CPU engines in tests (``lightning_zero_offload.testing`` registers the
-# emulated one); it returns None to leave the plain CPU device.
-TestDeviceFactory = Callable[[torch.device, Any, "float | None"], "SyncDevice | None"]
-_test_device: TestDeviceFactory | None = None
-
-
-def register_test_device(factory: TestDeviceFactory | None) -> None:
-    """Let ``factory`` choose the device of every CPU engine made from now on (None: stop)."""
-    global _test_device
-    _test_device = factory
-
-
-def make_device(device: torch.device, process_group: object | None,
-                timeout_s: float | None = None) -> SyncDevice:
-    """The asynchrony implementation for an engine whose compute device is ``device``."""
-    if device.type == "cuda":
-        return CudaDevice(device, process_group)
-    made = _test_device(device, process_group, timeout_s) if _test_device is not None else None
-    return made if made is not None else SyncDevice(device, process_group)

@@ -20,7 +20,7 @@ from lightning_zero_offload.core import checks, collectives, ranks, tensor_paral
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
-from lightning_zero_offload.core.device import make_device
+from lightning_zero_offload.core.device_factory import make_device
 from lightning_zero_offload.core.host import HostBuffers, engine_budget, fill_master, plan
 from lightning_zero_offload.core.layout import build_layout, shard_align
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped

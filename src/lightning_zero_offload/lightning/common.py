@@ -16,18 +16,15 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from lightning_zero_offload.config_env import build_config
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.core.collectives import collective_device
-from lightning_zero_offload.core.config_env import build_config
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-
-NAME = "zero_offload"  # the strategies' name in Lightning's registries
 
 Scheduler = LRScheduler | ReduceLROnPlateau
 
@@ -170,12 +167,6 @@ def with_config_fields(init: Callable[..., None]) -> Callable[..., None]:
     init.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return init
 
-
-def register_strategy(registry: _StrategyRegistry, cls: type) -> None:
-    """Add ``cls`` under ``"zero_offload"`` (Trainer and Fabric registries alike)."""
-    registry.register(
-        NAME, cls, description="ZeRO-Offload: fp32 master weights and AdamW state on the host"
-    )
 
 
 def retarget_scheduler(scheduler: Scheduler, user_optimizer: Optimizer,

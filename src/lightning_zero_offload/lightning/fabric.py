@@ -17,7 +17,6 @@ import torch
 from lightning.fabric.accelerators.accelerator import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.types import _PATH, _Stateful
@@ -33,7 +32,6 @@ from lightning_zero_offload.lightning.common import (
     EngineOwner,
     Scheduler,
     norm_clipping_only,
-    register_strategy,
     retarget_scheduler,
 )
 from lightning_zero_offload.lightning.precision import (
@@ -306,10 +304,6 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
                     state[name] = checkpoint.pop(name)
         return checkpoint
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_strategy(strategy_registry, cls)
 
 
 _OWNED = "zero_offload_owned_keys"  # sharded Fabric meta: which keys held the model/optimizer

@@ -1,12 +1,28 @@
 """Registers ``"zero_offload"`` with Lightning's Trainer and Fabric strategy registries.
 
 Lightning 2.5.6+ no longer discovers third-party strategies, so ``import lightning_zero_offload``
-calls :func:`register`; it is idempotent, so importing twice (or calling it again) is harmless.
+calls :func:`register_when_imported`: it registers at once when Lightning is already imported,
+and otherwise right after Lightning's first import (a finder on ``sys.meta_path`` that wraps the
+loader of the ``lightning`` package), so importing this package never imports Lightning itself
+and ``Trainer(strategy="zero_offload")`` works in either import order. :func:`register` is
+idempotent, so importing twice (or calling it again) is harmless. What it registers are factories
+that import the strategies when Lightning resolves the name: registering imports nothing of ours,
+so it cannot run into an adapter module that is itself importing Lightning.
 """
 
 from __future__ import annotations
 
-from lightning_zero_offload.lightning.common import NAME
+import importlib.abc
+import sys
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
+NAME = "zero_offload"  # the strategies' name in Lightning's registries
+DESCRIPTION = "ZeRO-Offload: fp32 master weights and AdamW state on the host"
+# Lightning's package __init__ imports lightning.fabric and lightning.pytorch whole, so once it
+# has run, both registries and everything the strategies import are ready.
+_PACKAGE = "lightning"
 
 
 def register() -> None:
@@ -14,12 +30,64 @@ def register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_zero_offload.lightning.fabric import ZeroOffloadFabricStrategy
+    for registry, factory in ((StrategyRegistry, _trainer_strategy),
+                              (STRATEGY_REGISTRY, _fabric_strategy)):
+        if NAME not in registry:
+            registry.register(NAME, factory, description=DESCRIPTION)
+
+
+def _trainer_strategy(**kwargs: Any) -> Any:
+    """``ZeroOffloadStrategy(**kwargs)``: what ``Trainer(strategy="zero_offload")`` gets."""
     from lightning_zero_offload.lightning.strategy import ZeroOffloadStrategy
 
-    for registry, cls in (
-        (StrategyRegistry, ZeroOffloadStrategy),
-        (STRATEGY_REGISTRY, ZeroOffloadFabricStrategy),
-    ):
-        if NAME not in registry:
-            cls.register_strategies(registry)
+    return ZeroOffloadStrategy(**kwargs)
+
+
+def _fabric_strategy(**kwargs: Any) -> Any:
+    """``ZeroOffloadFabricStrategy(**kwargs)``: what ``Fabric(strategy="zero_offload")`` gets."""
+    from lightning_zero_offload.lightning.fabric import ZeroOffloadFabricStrategy
+
+    return ZeroOffloadFabricStrategy(**kwargs)
+
+
+def register_when_imported() -> None:
+    """:func:`register` now if Lightning is imported, else just after it is (without importing
+    it here)."""
+    if _PACKAGE in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``lightning`` through the other finders and runs :func:`register` after it loads."""
+
+    def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None
+                  ) -> ModuleSpec | None:
+        if fullname != _PACKAGE:
+            return None
+        sys.meta_path.remove(self)  # once, and the search below must not come back here
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _RegisterAfterLoad(spec.loader)
+                return spec
+        return None  # not installed: the import fails as it would without us
+
+
+class _RegisterAfterLoad(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Lightning's module keeps its own loader (for inspect, importlib.resources, reloads).
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        register()

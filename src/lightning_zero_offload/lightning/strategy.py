@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
@@ -39,7 +38,6 @@ from lightning_zero_offload.lightning.common import (
     EngineOwner,
     broadcast_start_weights,
     check_clip_algorithm,
-    register_strategy,
     retarget_scheduler,
     with_config_fields,
 )
@@ -368,7 +366,3 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     # -- registration --------------------------------------------------------------------------
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_strategy(strategy_registry, cls)

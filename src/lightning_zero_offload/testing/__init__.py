@@ -1,27 +1,23 @@
-"""Test hooks for users and for this project's own tests.
+"""Test hooks for users and for this project's own tests: the emulated asynchronous device
+(``emulated_device``) and its race detector (``race_detector``).
 
-Importing this module (the package does) registers the emulated device with
-``core.device.make_device``, so ``LZO_EMULATED_DEVICE_SEED`` turns the emulation on for every CPU
-engine of a process without the production factory knowing of it.
+``import lightning_zero_offload`` does not load this package; importing it registers the
+:func:`emulated_async_device` block's chooser with ``core.device_factory.make_device``, which also
+loads the emulated device by itself when ``LZO_EMULATED_DEVICE_SEED`` is set.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.device import (
-    WAIT_KINDS,
-    SyncDevice,
-    check_skip_waits,
-    register_test_device,
-)
-from lightning_zero_offload.core.emulated import EmulatedDevice
-from lightning_zero_offload.core.races import StreamOrderError
+from lightning_zero_offload.core.device import WAIT_KINDS, SyncDevice, check_skip_waits
+from lightning_zero_offload.core.device_factory import register_test_device
+from lightning_zero_offload.testing.emulated_device import EmulatedDevice, detector_default
+from lightning_zero_offload.testing.race_detector import StreamOrderError
 
 __all__ = ["WAIT_KINDS", "EmulatedDevice", "StreamOrderError", "emulated_async_device"]
 
@@ -30,25 +26,16 @@ _active: dict | None = None  # the innermost emulated_async_device block
 
 def _choose(device: torch.device, process_group: Any, timeout_s: float | None
             ) -> SyncDevice | None:
-    """The device of a CPU engine: emulated inside a block or with the variable set."""
-    if _active is not None:
-        emu = EmulatedDevice(device, process_group, seed=_active["seed"],
-                             max_delay_ms=_active["max_delay_ms"], timeout_s=timeout_s,
-                             stream_delay_ms=_active["stream_delay_ms"],
-                             race_detector=_active["race_detector"],
-                             skip_waits=_active["skip_waits"])
-        _active["made"].append(emu)
-        return emu
-    seed = os.environ.get("LZO_EMULATED_DEVICE_SEED")
-    if seed:  # a whole test suite on the emulated device
-        return EmulatedDevice(device, process_group, seed=int(seed), timeout_s=timeout_s,
-                              race_detector=_detector_default())
-    return None
-
-
-def _detector_default() -> bool:
-    """On unless ``LZO_RACE_DETECTOR=0`` (to time the emulation without it)."""
-    return os.environ.get("LZO_RACE_DETECTOR", "1").strip().lower() not in ("0", "false", "no")
+    """The device of a CPU engine made inside a block (None outside: the factory decides)."""
+    if _active is None:
+        return None
+    emu = EmulatedDevice(device, process_group, seed=_active["seed"],
+                         max_delay_ms=_active["max_delay_ms"], timeout_s=timeout_s,
+                         stream_delay_ms=_active["stream_delay_ms"],
+                         race_detector=_active["race_detector"],
+                         skip_waits=_active["skip_waits"])
+    _active["made"].append(emu)
+    return emu
 
 
 register_test_device(_choose)
@@ -82,7 +69,7 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     """
     global _active
     skip = check_skip_waits(skip_waits)
-    detector = _detector_default() if race_detector is None else race_detector
+    detector = detector_default() if race_detector is None else race_detector
     previous, made = _active, []
     _active = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made,
                "stream_delay_ms": stream_delay_ms, "race_detector": detector,

@@ -39,13 +39,13 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
     load_shards,
     save_shards,
 )
+from lightning_zero_offload.config_env import load_config_file  # noqa: E402
 from lightning_zero_offload.core import ZeroOffload  # noqa: E402
-from lightning_zero_offload.core.config_env import load_config_file  # noqa: E402
 from lightning_zero_offload.core.profile import FIELDS  # noqa: E402
-from lightning_zero_offload.hf_args import enabled, with_zero_offload  # noqa: E402
+from lightning_zero_offload.transformers.args import enabled, with_zero_offload  # noqa: E402
 
 __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer",
-           "with_zero_offload"]
+           "with_zero_offload"]  # and ZeroOffloadSFTConfig, built on first access (needs TRL)
 
 
 # ``TrainingArguments`` with the ZeRO-Offload options (also as ``--zero_offload`` flags);
@@ -231,3 +231,11 @@ def _record_fp32(folder: str) -> None:
 
 class ZeroOffloadTrainer(ZeroOffloadMixin, Trainer):
     """``transformers.Trainer`` trained by the ZeRO-Offload engine when it is enabled."""
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ZeroOffloadSFTConfig":  # built by ``args`` on first access (needs TRL)
+        from lightning_zero_offload.transformers import args
+
+        return args.ZeroOffloadSFTConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

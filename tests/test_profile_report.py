@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_zero_offload as zo
 from lightning_zero_offload.core.profile import FIELDS, StepProfile
-from lightning_zero_offload.profile import draw, format_summary, main
+from lightning_zero_offload.profile_report import draw, format_summary, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def test_summary_reports_median_ms_and_main_thread_shares(recorded):
 def test_plot_and_summary_commands(recorded, tmp_path):
     out = tmp_path / "timeline.png"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    cmd = [sys.executable, "-m", "lightning_zero_offload.profile"]
+    cmd = [sys.executable, "-m", "lightning_zero_offload.profile_report"]
     proc = subprocess.run([*cmd, "plot", str(recorded), "-o", str(out), "--steps", "3"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -6,7 +6,7 @@ cached, so calling it twice gives the same class. ``HfArgumentParser`` accepts t
 ``--zero_offload`` (as well as ``--zero_offload true/false``); left out, the ``ZERO_OFFLOAD``
 environment flag decides. With TRL installed, ``ZeroOffloadSFTConfig`` is ready-made::
 
-    from lightning_zero_offload.hf_args import ZeroOffloadSFTConfig
+    from lightning_zero_offload.transformers import ZeroOffloadSFTConfig
     from lightning_zero_offload.transformers import ZeroOffloadMixin
     from trl import SFTTrainer
 
@@ -36,7 +36,7 @@ def enabled(args: Any) -> bool:
     flag = getattr(args, "zero_offload", None)
     if flag is not None:
         return bool(flag)
-    from lightning_zero_offload.core.config_env import zero_offload_enabled
+    from lightning_zero_offload.config_env import zero_offload_enabled
 
     return zero_offload_enabled()
 

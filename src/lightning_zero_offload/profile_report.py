@@ -5,8 +5,8 @@ per-step seconds for ``fwd_bwd``, ``grad_wait``, ``cpu_step``, ``weight_copy`` a
 (see :class:`~lightning_zero_offload.core.profile.StepProfile`) plus the spans for timelines::
 
     print(format_summary(engine.profile))
-    python -m lightning_zero_offload.profile summary run.json
-    python -m lightning_zero_offload.profile plot run.json [delayed.json ...] -o timeline.png
+    python -m lightning_zero_offload.profile_report summary run.json
+    python -m lightning_zero_offload.profile_report plot run.json [delayed.json ...] -o timeline.png
 
 Plotting needs matplotlib (``pip install 'lightning-zero-offload[plot]'``); nothing else here does.
 """
@@ -120,7 +120,7 @@ def draw(panels: Sequence[tuple[str, list[dict]]], out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lightning_zero_offload.profile",
+    p = argparse.ArgumentParser(prog="python -m lightning_zero_offload.profile_report",
                                 description="Summarize or plot saved ZeRO-Offload profiles.")
     sub = p.add_subparsers(dest="command", required=True)
     plot = sub.add_parser("plot", help="draw a timeline PNG (one panel per file)")

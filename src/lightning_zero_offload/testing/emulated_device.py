@@ -1,12 +1,13 @@
 """The emulated asynchronous device: side streams as delayed worker threads over CPU tensors.
 
 See ``core.device`` for the ordering rules it checks (rule 3, a side stream that does not wait
-for the compute stream, through the race detector of ``core.races``), and
+for the compute stream, through the race detector of ``testing.race_detector``), and
 ``lightning_zero_offload.testing`` for the hooks that turn it on.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import threading
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero_offload.core import races
 from lightning_zero_offload.core.collectives import release_group, side_group
 from lightning_zero_offload.core.device import Event, SyncDevice, check_skip_waits
-from lightning_zero_offload.core.races import COMPUTE, HOST, Clock, RaceDetector, join
+from lightning_zero_offload.testing import race_detector as races
+from lightning_zero_offload.testing.race_detector import COMPUTE, HOST, Clock, RaceDetector, join
 
 
 class _EmuEvent(Event):
@@ -141,8 +142,8 @@ class _EmuStream:
 
 class EmulatedDevice(SyncDevice):
     """Side streams as delayed worker threads over CPU tensors; see the module docstring.
-    ``race_detector``: check every stream-ordering rule (``core.races``); ``skip_waits``: wait
-    kinds of ``core.device.WAIT_KINDS`` to drop (mutation tests)."""
+    ``race_detector``: check every stream-ordering rule (``testing.race_detector``);
+    ``skip_waits``: wait kinds of ``core.device.WAIT_KINDS`` to drop (mutation tests)."""
 
     asynchronous = True
 
@@ -277,6 +278,23 @@ class EmulatedDevice(SyncDevice):
         if self.detector is not None:
             races.unwatch(self.detector)
         super().close()
+
+
+def detector_default() -> bool:
+    """On unless ``LZO_RACE_DETECTOR=0`` (to time the emulation without it)."""
+    return os.environ.get("LZO_RACE_DETECTOR", "1").strip().lower() not in ("0", "false", "no")
+
+
+def from_environment(device: torch.device, process_group: Any, seed: str,
+                     timeout_s: float | None) -> EmulatedDevice:
+    """The device ``LZO_EMULATED_DEVICE_SEED=seed`` asks for (``core.device_factory``)."""
+    try:
+        value = int(seed)
+    except ValueError:
+        raise ValueError(f"LZO_EMULATED_DEVICE_SEED={seed!r} is not an integer: set it to a "
+                         "seed such as 1, or unset it for the plain CPU device") from None
+    return EmulatedDevice(device, process_group, seed=value, timeout_s=timeout_s,
+                          race_detector=detector_default())
 
 
 def _nothing() -> None:
