@@ -47,10 +47,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads)
-        self.mlp_norm, self.mlp = RMSNorm(dim), MLP(dim, 2 * dim)
+        self.mlp_norm, self.mlp = RMSNorm(dim), MLP(dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -59,10 +59,11 @@ class Block(nn.Module):
 
 class TinyLlama(nn.Module):
     def __init__(self, vocab: int = VOCAB, dim: int = DIM, heads: int = HEADS,
-                 layers: int = LAYERS) -> None:
+                 layers: int = LAYERS, hidden: int = 0) -> None:
+        """``hidden``: the MLP's width (default ``2 * dim``; an odd one shards unevenly)."""
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(dim, heads, hidden or 2 * dim) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -119,10 +120,11 @@ def param_groups(model: nn.Module, lr: float = 1e-2) -> list[dict]:
                                                      "lr": lr / 2}]
 
 
-def batch(step: int, micro: int, part: int, size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, micro: int, part: int, size: int = 4,
+          vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed data: micro-batch ``micro`` of step ``step``, data-parallel part ``part``."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro + part)
-    x = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+    x = torch.randint(0, vocab, (size, SEQ + 1), generator=g)
     return x[:, :-1], x[:, 1:]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _dist import run_ranks
 from _helpers import clone_nested, equal_nested, total_rel_err
-from _tiny_llama import batch, lm_loss, make, parallelize, param_groups
+from _tiny_llama import VOCAB, batch, lm_loss, make, parallelize, param_groups
 from torch import nn
 
 from lightning_zero_offload import ZeroOffload
@@ -31,9 +31,10 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def _engine(dp: int, tp: int, lr: float = LR, **cfg) -> ZeroOffload:
+def _engine(dp: int, tp: int, lr: float = LR, model_kw: dict | None = None,
+            **cfg) -> ZeroOffload:
     mesh = _mesh(dp, tp)
-    model = make(0)
+    model = make(0, **(model_kw or {}))
     if tp > 1:
         parallelize(model, mesh["tensor_parallel"])
     opt = torch.optim.AdamW(param_groups(model, lr), lr=lr)
@@ -41,14 +42,14 @@ def _engine(dp: int, tp: int, lr: float = LR, **cfg) -> ZeroOffload:
     return ZeroOffload(model, opt, device_mesh=mesh, **cfg)
 
 
-def _steps(engine: ZeroOffload, dp: int, steps: range) -> list[float]:
+def _steps(engine: ZeroOffload, dp: int, steps: range, vocab: int = VOCAB) -> list[float]:
     """The global batches of ``steps``, ``ACCUM`` micro-batches each; returns the step norms.
     With dp=4 each data-parallel pair of ranks splits what one rank of dp=2 sees."""
     part = engine.rank if dp <= 2 else engine.rank // 2
     norms = []
     for step in steps:
         for m in range(ACCUM):
-            x, y = batch(step, m, part)
+            x, y = batch(step, m, part, vocab=vocab)
             if dp == 4:
                 x, y = x.chunk(2)[engine.rank % 2], y.chunk(2)[engine.rank % 2]
             engine.backward(lm_loss(engine.module(x), y) / ACCUM,
@@ -334,21 +335,148 @@ def test_checkpoints_at_dp2_tp2_resume_exactly_and_consolidated_loads_anywhere(t
         assert _rel(one["model"], _reference(steps=SAVED_AT)) < 5e-5
 
 
-def _consolidate_tp(rank: int, world: int, root: str) -> str:
+# -- at mesh (1, 2): uneven shards, moment_dtype switches, offline consolidation -----------------
+# The embedding (RowwiseParallel) and output layer (ColwiseParallel) alone (no block, whose
+# attention's gradients differ by 1e-5 between any two reduction orders), over a vocabulary of 31
+# cut 16 + 15, as one of 32001 or 50257 is. (An uneven MLP width fails in torch itself:
+# RowwiseParallel's input DTensor of a Linear takes its global shape from the local one.)
+UNEVEN = {"vocab": 31, "layers": 0}
+
+
+def _uneven_plain(steps: int) -> dict[str, torch.Tensor]:
+    """The uneven model without tensor parallelism: torch.optim.AdamW + clip_grad_norm_."""
+    model = make(0, **UNEVEN)
+    opt = torch.optim.AdamW(param_groups(model, LR), lr=LR)
+    for step in range(steps):
+        for m in range(ACCUM):
+            x, y = batch(step, m, 0, vocab=UNEVEN["vocab"])
+            (lm_loss(model(x), y) / ACCUM).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _uneven(root: str) -> dict:
+    """Two steps at (1, 2) with uneven shards; consolidated and sharded saves, loaded at (2, 1)
+    and (1, 2)."""
+    from lightning_zero_offload.core.checkpoint import files
+
+    cfg = {"precision": "32-true", "model_kw": UNEVEN}
+    e = _engine(1, 2, **cfg)
+    out: dict = {"local": {n: tuple(p._local_tensor.shape)  # type: ignore[attr-defined]
+                           for n, p in e.module.named_parameters() if n in ("tok_emb.weight",
+                                                                            "output.weight")}}
+    _steps(e, 1, range(2), vocab=UNEVEN["vocab"])
+    before, shard = e.full_state_dict(), clone_nested(e.state_dict())
+    e.save_checkpoint(f"{root}/uneven.pt", sharded=False)
+    e.save_checkpoint(f"{root}/uneven")
+    e.gather_weights()
+    out["weights"] = _full(e.module)
+    e.teardown(copy_weights_to_module=False)
+    out["saved"] = equal_nested(files.load_file(f"{root}/uneven.pt"), before)
+    for name, (dp, tp), path in (("dp2", (2, 1), "uneven.pt"), ("tp2", (1, 2), "uneven")):
+        e = _engine(dp, tp, **cfg)
+        e.load_checkpoint(f"{root}/{path}")
+        out[name] = (equal_nested(e.full_state_dict(), before) if dp == 2 else
+                     equal_nested(e.state_dict(), shard))
+        e.teardown(copy_weights_to_module=False)
+    return out
+
+
+def _switch(root: str) -> dict:
+    """moment_dtype fp32 -> int8 and int8 -> fp32 through a sharded checkpoint at (1, 2)."""
+    out = {}
+    for saved, loaded in (("fp32", "int8"), ("int8", "fp32")):
+        a = _engine(1, 2, precision="32-true", moment_dtype=saved)
+        _steps(a, 1, range(2))
+        before = a.full_state_dict()
+        a.save_checkpoint(f"{root}/{saved}")
+        a.teardown(copy_weights_to_module=False)
+        b = _engine(1, 2, precision="32-true", moment_dtype=loaded)
+        b.load_checkpoint(f"{root}/{saved}")
+        after = b.full_state_dict()
+        _steps(b, 1, range(2, 3))  # a step after the load runs
+        moved = _rel(b.full_state_dict(optimizer=False)["model"], after["model"])
+        b.teardown(copy_weights_to_module=False)
+        moments = [(st[k], after["optimizer"]["state"][i][k])
+                   for i, st in before["optimizer"]["state"].items()
+                   for k in ("exp_avg", "exp_avg_sq")]
+        out[saved] = {"master": equal_nested(after["model"], before["model"]),
+                      "same": equal_nested(after, before), "moved": moved,
+                      "moments": total_rel_err(dict(enumerate(m for m, _ in moments)),
+                                               dict(enumerate(m for _, m in moments)))}
+    return out
+
+
+def _at_1x2(rank: int, world: int, root: str) -> dict:
+    """Every case at mesh (1, 2), in one pair of processes: its result or its traceback."""
+    import traceback
+
     from lightning_zero_offload.core.checkpoint import files, formats
 
-    e = _engine(1, 2)
-    _steps(e, 1, range(1))
-    e.save_checkpoint(f"{root}/sharded")
-    e.teardown(copy_weights_to_module=False)
-    with pytest.raises(formats.CheckpointError) as err:
-        formats.consolidate(files.read_shard_dir(files.resolve(f"{root}/sharded")))
-    return str(err.value)
+    def case(fn, *args):
+        try:
+            return fn(*args)
+        except Exception:
+            return traceback.format_exc()
+
+    def offline() -> str:
+        with pytest.raises(formats.CheckpointError) as err:
+            formats.consolidate(files.read_shard_dir(files.resolve(f"{root}/fp32")))
+        return str(err.value)
+
+    return {"uneven": case(_uneven, root), "switch": case(_switch, root),
+            "offline": case(offline)}
 
 
-def test_tensor_parallel_shards_are_not_consolidated_offline(tmp_path):
-    for msg in run_ranks(_consolidate_tp, 2, str(tmp_path)):
+@pytest.fixture(scope="module")
+def at_1x2(tmp_path_factory) -> tuple[list[dict], str]:
+    root = str(tmp_path_factory.mktemp("tp_1x2"))
+    return run_ranks(_at_1x2, 2, root, timeout=400), root
+
+
+def _results(at_1x2, key: str) -> list:
+    out = [r[key] for r in at_1x2[0]]
+    for r in out:
+        assert not isinstance(r, str), r  # the traceback of a case that raised
+    return out
+
+
+def test_tensor_parallel_shards_are_not_consolidated_offline(at_1x2):
+    for msg in [r["offline"] for r in at_1x2[0]]:
         assert "written under tensor parallelism (mesh (1, 2))" in msg
+
+
+def test_uneven_shards_train_as_the_plain_model(at_1x2):
+    want = _uneven_plain(2)
+    assert _moved(want, _full(make(0, **UNEVEN))) > 1e-2
+    for rank, r in enumerate(_results(at_1x2, "uneven")):
+        rows = 16 if rank == 0 else 15  # DTensor's cut of 31 rows over 2 ranks
+        assert r["local"] == {"tok_emb.weight": (rows, 32), "output.weight": (rows, 32)}
+        assert _rel(r["weights"], want) < 1e-6
+
+
+def test_uneven_shards_checkpoint_loads_into_a_plain_model_and_other_meshes(at_1x2):
+    from lightning_zero_offload.core.checkpoint import files
+
+    full = files.load_file(f"{at_1x2[1]}/uneven.pt")
+    plain = make(0, **UNEVEN)
+    plain.load_state_dict(full["model"])  # whole tensors: 31 rows
+    assert _rel(_full(plain), _uneven_plain(2)) < 1e-6
+    for r in _results(at_1x2, "uneven"):
+        assert r["saved"]  # the file holds the state before the save
+        assert r["dp2"]  # at (2, 1): that state again
+        assert r["tp2"]  # the sharded one at (1, 2): this rank's shard again
+        assert equal_nested(_full(plain), r["weights"])
+
+
+def test_moment_dtype_switches_through_a_sharded_checkpoint_under_tensor_parallelism(at_1x2):
+    for r in _results(at_1x2, "switch"):
+        assert r["fp32"]["master"] and r["int8"]["master"]  # master weights exact
+        assert r["int8"]["same"]  # int8 -> fp32: the moments dequantized as saved, exactly
+        assert 0 < r["fp32"]["moments"] < 0.1  # fp32 -> int8: rounded to 8 bits
+        assert r["fp32"]["moved"] > 1e-4 and r["int8"]["moved"] > 1e-4
 
 
 def test_ranks_with_different_plans_fail_setup_on_every_rank():

@@ -195,11 +195,31 @@ def _check_plan(module: nn.Module, tp_mesh: Any) -> set[int]:
     return whole
 
 
-def _agree(module: nn.Module, mesh: Any) -> None:
-    """Collective over every process: the same mesh and placements (local shapes follow)."""
+def _chunk_sizes(n: int, parts: int) -> list[int]:
+    """How DTensor's ``Shard`` cuts ``n`` rows over ``parts`` ranks (``torch.chunk``: the first
+    ranks get ceil(n / parts), the last ones what is left, possibly nothing)."""
+    step = -(-n // parts)
+    return [max(0, min(step, n - r * step)) for r in range(parts)]
+
+
+def _local_desc(p: Tensor, tp: TensorParallel) -> str:
+    """A parameter's shards as every rank describes them alike (uneven shards included); a
+    local shard of another size than DTensor's cut adds this rank's shape, so it shows up."""
+    place = p.placements[0] if is_dtensor(p) else None  # type: ignore[attr-defined]
+    if not isinstance(place, Shard):
+        return ""
+    sizes = _chunk_sizes(p.shape[place.dim], tp.size)
+    want = (*p.shape[:place.dim], sizes[tp.rank], *p.shape[place.dim + 1:])
+    have = tuple(local(p).shape)
+    return f" chunks {sizes}" + (f" local {have} (expected {want})" if have != want else "")
+
+
+def _agree(module: nn.Module, mesh: Any, tp: TensorParallel) -> None:
+    """Collective over every process: the same mesh, placements and cut of each sharded
+    parameter (its chunk sizes, equal on every rank even when uneven)."""
     desc = [f"mesh {tuple(mesh.mesh.shape)} {mesh.mesh_dim_names} {mesh.mesh.tolist()}"]
-    desc += [f"parameter {n!r}: {tuple(p.shape)} {getattr(p, 'placements', 'plain')} "
-             f"local {tuple(local(p).shape)}" for n, p in module.named_parameters()]
+    desc += [f"parameter {n!r}: {tuple(p.shape)} {getattr(p, 'placements', 'plain')}"
+             f"{_local_desc(p, tp)}" for n, p in module.named_parameters()]
     mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), desc)
     every = collectives.gather_objects("setup check of the device mesh", mine)
     for r, (digest, other) in enumerate(every):
@@ -240,7 +260,7 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any
     tp_mesh = device_mesh[TP]
     tp = TensorParallel(device_mesh, tp_mesh, tp_mesh.get_local_rank(), tp_mesh.size(),
                         _check_plan(module, tp_mesh))
-    _agree(module, device_mesh)
+    _agree(module, device_mesh, tp)
     if tp.size > 1:  # what every tensor-parallel rank holds whole starts from TP rank 0's values
         src = dist.get_global_rank(tp.group, 0)
         with torch.no_grad():

@@ -312,32 +312,39 @@ class EngineState:
             self.weights.remember_frozen(state["module_extra"])
             self.load_shard(state)
         else:
-            self.load_full(state)
+            self.load_full(self._whole(state) if kind == "local" else state)
 
     def _read(self, path: Path) -> tuple[str, dict]:
-        """``("shard", this rank's shard)`` or ``("full", full state)``, validated."""
+        """``("shard", this rank's shard)``, ``("full", full state)`` or, under tensor
+        parallelism, ``("local", the full state of this rank's local shards)``, validated."""
         if not path.is_dir():
             full = files.safe_load(path)
             validation.check_full(full, self)
             return "full", full
         trained = self.weights.trained
         names = self.module.state_dict(keep_vars=True)
+        expected = {k: (trained.get(id(v)), tuple(local(v).shape)) for k, v in names.items()}
         shards = files.read_shards(path, *self.files_rank[:2])
         validation.check_tensor_parallel(shards, self.tp_describe(), path)
-        validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(local(v).shape))
-                                      for k, v in names.items()})
+        validation.validate_shards(shards, expected)
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
-            if shards[0]["layout"] == self.layout.describe() or self.tp is not None:
+            if shards[0]["layout"] == self.layout.describe():
                 validation.check_shard(shards[0], self)
                 return "shard", shards[0]
             # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets
-            # to whole blocks): through the consolidated form, which needs every shard.
-            shards = files.read_shards(path, -1, 0)
-            validation.validate_shards(shards, {k: (trained.get(id(v)), tuple(v.shape))
-                                          for k, v in names.items()})
+            # to whole blocks): through the consolidated form, which needs every shard; under
+            # tensor parallelism every data-parallel rank's of this rank's place (the rest is
+            # another place's local shards), consolidated over the data-parallel ranks alone.
+            place = shards[0].get("tensor_parallel")
+            shards = [{k: v for k, v in s.items() if k != "tensor_parallel"} for s in
+                      files.read_shards(path, -1, 0,
+                                        lambda s: s.get("tensor_parallel") == place)]
+            validation.validate_shards(shards, expected)
         full = formats.consolidate(shards)
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else
                  shards[0]["module_extra"][k] for k, v in names.items()}
         full = {**full, "model": model, "scaler": shards[0]["scaler"]}
+        if self.tp is not None:  # local shards: gathered whole after the agreement (collective)
+            return "local", full
         validation.check_full(full, self)
         return "full", full

@@ -24,7 +24,7 @@ import shutil
 import socket
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -361,8 +361,10 @@ def publish_dir(tmp: Path, path: Path, world_size: int, token: str) -> None:
     clean_leftovers(path)
 
 
-def read_shards(path: Path, rank: int, world_size: int) -> list[dict]:
-    """This rank's shard if the folder was written at ``world_size``, else every shard."""
+def read_shards(path: Path, rank: int, world_size: int,
+                keep: Callable[[dict], bool] | None = None) -> list[dict]:
+    """This rank's shard if the folder was written at ``world_size``, else every shard (those
+    ``keep`` accepts: the others are dropped as they are read)."""
     manifest = read_manifest(path)
     mine = shard_name(rank, world_size)
     if manifest["world_size"] == world_size and mine in manifest["files"]:
@@ -373,7 +375,8 @@ def read_shards(path: Path, rank: int, world_size: int) -> list[dict]:
     if missing or not names:
         raise CheckpointError(f"checkpoint folder {str(path)!r} lacks shard files "
                               f"{missing or ['shard-*']}; use another checkpoint")
-    return [safe_load(path / n) for n in names]
+    shards = (safe_load(path / n) for n in names)
+    return [s for s in shards if keep is None or keep(s)]
 
 
 def read_shard_dir(path: Path) -> list[dict]:
