@@ -108,3 +108,90 @@ def test_mesh_sizes_resolve_like_model_parallel_strategy():
         tp_mesh.resolve_sizes(3, 2, 4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 'auto' or a positive"):
         tp_mesh.resolve_sizes("auto", 0, 4)
+
+
+# -- teardown under tensor parallelism: whatever holds the parameters; a fit's error as itself -----
+
+class FailingMLP(LightningModule):
+    """A small MLP, parallelized in ``configure_model``; ``training_step`` raises on rank
+    ``fail_rank`` after its forward (the traceback then holds the autograd graph, and with it
+    the parameters), and every parameter also sits in a user's list."""
+
+    def __init__(self, fail_rank: int | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 8))
+        self.fail_rank = fail_rank
+        self.held: list = []
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        self.held = list(self.net.parameters())
+
+    def training_step(self, batch, batch_idx):
+        loss = self.net(batch[0]).pow(2).mean()
+        if self.global_rank == self.fail_rank and batch_idx == 1:
+            raise RuntimeError(f"user code failed on rank {self.global_rank}")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(16, 8, generator=torch.Generator()
+                                                    .manual_seed(0))), batch_size=4)
+
+
+def _fit_failing(tp: int, fail_rank: int | None) -> dict:
+    """A bf16-mixed fit (teardown changes the parameters' dtype back to fp32); what it raised
+    and what the module holds after it."""
+    module = FailingMLP(fail_rank)
+    trainer = Trainer(strategy=ZeroOffloadStrategy(tensor_parallel_size=tp, collective_timeout_s=5),
+                      devices=tp, accelerator="cpu", max_steps=3, precision="bf16-mixed",
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)
+    error = None
+    try:
+        trainer.fit(module)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "params": [(type(p).__name__, p.dtype) for p in module.held],
+            "same": all(a is b for a, b in zip(module.held, module.net.parameters(),
+                                               strict=True))}
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_teardown_under_tensor_parallel_1_restores_and_keeps_the_fit_error(fail):
+    got = _fit_failing(1, 0 if fail else None)
+    assert got["error"] == ("RuntimeError: user code failed on rank 0" if fail else None)
+    assert got["same"] and got["params"] == [("DTensor", torch.float32)] * 4
+
+
+def _fit_failing_tp2(rank: int, world: int, port: int) -> dict:
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    out = _fit_failing(2, 1)
+    if rank == 1:
+        import time
+
+        time.sleep(2)  # stay alive a moment: rank 0 must fail on its own collective
+    return out
+
+
+@pytest.mark.slow
+def test_a_fit_error_under_tensor_parallel_2_surfaces_and_names_its_rank():
+    from _dist import free_port, run_ranks
+
+    first, second = run_ranks(_fit_failing_tp2, 2, free_port(), timeout=300)
+    assert second["error"] == "RuntimeError: user code failed on rank 1", second
+    assert second["params"] == [("DTensor", torch.float32)] * 4  # restored all the same
+    assert first["error"].startswith("CollectiveError: ZeroOffload: the "), first
+    assert "rank 1 failed first" in first["error"] and "user code failed" in first["error"]

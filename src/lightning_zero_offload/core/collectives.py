@@ -96,15 +96,25 @@ def side_group(group: Any, timeout_s: float | None) -> Any:
     return mine
 
 
-def report_failure(rank: int, world_size: int, error: BaseException) -> None:
-    """Leave a note for the peers: this rank failed with ``error`` (best effort; with one rank
-    there are none)."""
-    store = _store() if world_size > 1 else None
+def report_failure(error: BaseException) -> None:
+    """Leave a note for the peers: this process (its global rank) failed with ``error`` (best
+    effort; alone, there are none)."""
+    store = _store() if dist.is_initialized() and dist.get_world_size() > 1 else None
     if store is not None:
         try:
-            store.set(_KEY, f"rank {rank}: {type(error).__name__}: {error}"[:2000])
+            store.set(_KEY, f"rank {dist.get_rank()}: {type(error).__name__}: {error}"[:2000])
         except Exception:  # the store may be gone with the peer that hosted it
             pass
+
+
+def raise_unless_failing(broken: Exception | None, failure: BaseException | None) -> None:
+    """A teardown's own error ``broken`` is raised, unless ``failure`` (the caller's error) is
+    propagating: then it is logged, and the failure surfaces as itself."""
+    if broken is not None and failure is None:
+        raise broken
+    if broken is not None:
+        logger.warning("ZeroOffload: teardown after %s: %r failed too", type(failure).__name__,
+                       broken, exc_info=broken)
 
 
 def _store() -> Any:

@@ -162,7 +162,7 @@ class ZeroOffload:
             with self._streamer.backward_pass(sync_gradients):
                 loss.backward()
         except BaseException as e:
-            collectives.report_failure(self.rank, self.world_size, e)
+            collectives.report_failure(e)
             raise
         self._timer.backward_ended()
 
@@ -197,7 +197,7 @@ class ZeroOffload:
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
         except BaseException as e:  # peers stuck in a collective name this rank
-            collectives.report_failure(self.rank, self.world_size, e)
+            collectives.report_failure(e)
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # False: keep zero grads, as torch
@@ -319,10 +319,9 @@ class ZeroOffload:
         if self._closed:
             return
         error, broken = sys.exc_info()[1], None  # broken: a failed pending step
-        if error is not None and self.world_size > 1:
-            # An error propagates (a framework's handler): start no collective; peers time out.
-            collectives.report_failure(self.rank, self.world_size, error)
-            copy_weights_to_module = False
+        if error is not None:  # a framework's handler: start no collective; peers time out
+            collectives.report_failure(error)
+            copy_weights_to_module &= self.world_size == 1
         try:
             self.gather_weights() if copy_weights_to_module else self.synchronize()
         except Exception as e:
@@ -335,9 +334,12 @@ class ZeroOffload:
         for h in self._hooks:
             h.remove()
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
-        if copy_weights_to_module:
-            self._weights.restore(self._state.gather_full(self._host.master),
-                                  torch.device(device) if device is not None else None)
+        try:
+            if copy_weights_to_module:
+                self._weights.restore(self._state.gather_full(self._host.master),
+                                      torch.device(device) if device is not None else None)
+        except Exception as e:
+            broken = broken or e
         self._weights.free()
         self._closed = True
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
@@ -345,5 +347,4 @@ class ZeroOffload:
             self._host.free()
             self._release_group()
         self._dev.close()  # after the host buffers: it empties the pinned-memory cache
-        if broken is not None and error is None:
-            raise broken
+        collectives.raise_unless_failing(broken, error)

@@ -10,6 +10,7 @@ LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Tr
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_zero_offload.core import ZeroOffloadConfig
+from lightning_zero_offload.core import ZeroOffloadConfig, collectives
 from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning import mesh as tp_mesh
@@ -240,8 +241,14 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._stop_engine()
-        super().teardown()
+        # Lightning tears down inside its handler of a fit's error: that error must surface as
+        # itself (moving DTensor parameters with .cpu() fails while its traceback holds a graph)
+        failure = sys.exc_info()[1]
+        for step in (self._stop_engine, super().teardown):
+            try:
+                step()
+            except Exception as e:
+                collectives.raise_unless_failing(e, failure)
 
     @override
     @contextlib.contextmanager
