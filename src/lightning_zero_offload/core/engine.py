@@ -89,9 +89,9 @@ class ZeroOffload:
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
         self.host_budget = dict(sizes.parts)  # bytes this rank; a lazy fp32 gradient adds its own
-        ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
-            check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
-        master = fill_master(layout, self.rank, dtype, pinned)  # allocation: first the master,
+        ranks.start(layout, module, self.process_group, self.device, self.tp, lambda: (  # before
+            config.check_host_memory and check_host_memory(self.host_bytes, ranks.process_rank())))
+        master = fill_master(layout, self.rank, dtype, pinned)  # any allocation: the master,
         self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)  # (their fp32 storage goes), then the rest
