@@ -5,6 +5,9 @@ for ``ModelParallelStrategy`` (``configure_model`` parallelizes itself over
 from __future__ import annotations
 
 import os
+import pickle
+import signal
+import time
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.lightning import mesh as tp_mesh
 
 STEPS, ACCUM, BATCH = 5, 2, 2  # BATCH per data-parallel rank and micro-batch
+TIMEOUT = 20  # collective_timeout_s of the failure cases (the process group's too: rendezvous)
 
 
 class Llama(LightningModule):
@@ -117,12 +121,12 @@ class FailingMLP(LightningModule):
     ``fail_rank`` after its forward (the traceback then holds the autograd graph, and with it
     the parameters), and every parameter also sits in a user's list."""
 
-    def __init__(self, fail_rank: int | None) -> None:
+    def __init__(self, fail_rank: int | None, kill: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                        torch.nn.Linear(16, 8))
-        self.fail_rank = fail_rank
+        self.fail_rank, self.kill, self.started = fail_rank, kill, 0.0
         self.held: list = []
 
     def configure_model(self) -> None:
@@ -137,8 +141,12 @@ class FailingMLP(LightningModule):
         self.held = list(self.net.parameters())
 
     def training_step(self, batch, batch_idx):
+        failing = self.global_rank == self.fail_rank and batch_idx == 1
+        if failing and self.kill:  # lost mid-run: no note for the peers, no teardown
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.started = time.monotonic()
         loss = self.net(batch[0]).pow(2).mean()
-        if self.global_rank == self.fail_rank and batch_idx == 1:
+        if failing:
             raise RuntimeError(f"user code failed on rank {self.global_rank}")
         return loss
 
@@ -150,11 +158,12 @@ class FailingMLP(LightningModule):
                                                     .manual_seed(0))), batch_size=4)
 
 
-def _fit_failing(tp: int, fail_rank: int | None) -> dict:
+def _fit_failing(tp: int, fail_rank: int | None, kill: bool = False) -> dict:
     """A bf16-mixed fit (teardown changes the parameters' dtype back to fp32); what it raised
-    and what the module holds after it."""
-    module = FailingMLP(fail_rank)
-    trainer = Trainer(strategy=ZeroOffloadStrategy(tensor_parallel_size=tp, collective_timeout_s=5),
+    (and how long after the last step began) and what the module holds after it."""
+    module = FailingMLP(fail_rank, kill)
+    strategy = ZeroOffloadStrategy(tensor_parallel_size=tp, collective_timeout_s=TIMEOUT)
+    trainer = Trainer(strategy=strategy,
                       devices=tp, accelerator="cpu", max_steps=3, precision="bf16-mixed",
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False)
@@ -163,7 +172,7 @@ def _fit_failing(tp: int, fail_rank: int | None) -> dict:
         trainer.fit(module)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "params": [(type(p).__name__, p.dtype) for p in module.held],
+    return {"error": error, "seconds": time.monotonic() - module.started, "params": [(type(p).__name__, p.dtype) for p in module.held],
             "same": all(a is b for a, b in zip(module.held, module.net.parameters(),
                                                strict=True))}
 
@@ -195,3 +204,39 @@ def test_a_fit_error_under_tensor_parallel_2_surfaces_and_names_its_rank():
     assert second["params"] == [("DTensor", torch.float32)] * 4  # restored all the same
     assert first["error"].startswith("CollectiveError: ZeroOffload: the "), first
     assert "rank 1 failed first" in first["error"] and "user code failed" in first["error"]
+
+
+def _fit_killed_tp2(rank: int, world: int, port: int) -> dict:
+    torch.distributed.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    return _fit_failing(2, 1, kill=True)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_under_tensor_parallel_2_ends_the_other_naming_it():
+    """Rank 1 dies mid-fit (SIGKILL); rank 0, in a forward collective of DTensor's, ends with
+    the engine's error naming the lost rank, as without tensor parallelism."""
+    import torch.multiprocessing as mp
+    from _dist import _worker, free_port
+
+    ctx = mp.get_context("spawn")
+    results, ports = ctx.Queue(), (free_port(), free_port())  # run_ranks' and Lightning's
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(_fit_killed_tp2, r, 2, ports[0], ports[1:], 300, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, ok, payload = results.get(timeout=300)  # rank 1 never answers
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert rank == 0 and ok, payload
+    got = pickle.loads(payload)
+    assert got["error"].startswith("CollectiveError: ZeroOffload: the forward of the training "
+                                   "step on rank 0 failed"), got["error"]
+    assert "rank 1 probably failed, was lost" in got["error"]
+    assert got["seconds"] < TIMEOUT + 10

@@ -158,12 +158,9 @@ class ZeroOffload:
         self._check_open()
         if self.loss_scale is not None:  # an fp16 loss times 2**16 could overflow: in fp32
             loss = loss.float() * self.loss_scale
-        try:
-            with self._streamer.backward_pass(sync_gradients):
-                loss.backward()
-        except BaseException as e:
-            collectives.report_failure(e)
-            raise
+        group = self.tp.group if self.tp is not None else self.process_group  # DTensor's, ours
+        with collectives.reported("backward", group), self._streamer.backward_pass(sync_gradients):
+            loss.backward()
         self._timer.backward_ended()
 
     @contextlib.contextmanager

@@ -234,6 +234,16 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         self._logged_profile = 0
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        # under tensor parallelism the forward runs DTensor's collectives: a lost peer is named
+        with collectives.reported("forward of the training step",
+                                  engine.tp.group if engine.tp is not None else None):
+            return super().training_step(*args, **kwargs)
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if self.engine is None:  # during fit the engine places the module (in the compute dtype)
