@@ -172,7 +172,8 @@ def _fit_failing(tp: int, fail_rank: int | None, kill: bool = False) -> dict:
         trainer.fit(module)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    return {"error": error, "seconds": time.monotonic() - module.started, "params": [(type(p).__name__, p.dtype) for p in module.held],
+    return {"error": error, "seconds": time.monotonic() - module.started,
+            "params": [(type(p).__name__, p.dtype) for p in module.held],
             "same": all(a is b for a, b in zip(module.held, module.net.parameters(),
                                                strict=True))}
 
