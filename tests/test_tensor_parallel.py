@@ -561,3 +561,24 @@ def test_dp2_tp2_on_the_emulated_device_equals_the_cpu_device():
     # every process to build every pair (it hung when each built only its own)
     for r in run_ranks(_emulated_2x2, 4, timeout=300):
         assert _rel(r["emulated"], r["cpu"]) < 1e-6
+
+
+def _memory_short_on_rank_1(rank: int, world: int) -> str:
+    import lightning_zero_offload.core.engine as engine_mod
+
+    if rank == 1:
+        def refuse(needed: int, r: int) -> None:
+            raise MemoryError(f"rank {r} needs {needed} bytes (test)")
+        engine_mod.check_host_memory = refuse
+    try:
+        _engine(1, 2, collective_timeout_s=5.0)
+    except MemoryError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_host_memory_short_on_one_rank_of_a_1x2_mesh_stops_both_naming_it():
+    for e in run_ranks(_memory_short_on_rank_1, 2, timeout=120):
+        assert e.startswith("ZeroOffload: rank 1 (mesh coordinates (0, 1)) failed its setup "
+                            "checks (MemoryError: rank 1 needs"), e

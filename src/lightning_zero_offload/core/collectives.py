@@ -12,9 +12,10 @@ error. A subgroup passed by the caller keeps its own timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -96,15 +97,25 @@ def side_group(group: Any, timeout_s: float | None) -> Any:
     return mine
 
 
-def report_failure(rank: int, world_size: int, error: BaseException) -> None:
-    """Leave a note for the peers: this rank failed with ``error`` (best effort; with one rank
-    there are none)."""
-    store = _store() if world_size > 1 else None
-    if store is not None:
+def report_failure(error: BaseException) -> None:
+    """Leave a note for the peers, unless one is there: this process (its global rank) failed
+    with ``error`` (best effort; alone, there are none)."""
+    store = _store() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if store is not None and _failed_peer() is None:  # the first failure is the news
         try:
-            store.set(_KEY, f"rank {rank}: {type(error).__name__}: {error}"[:2000])
+            store.set(_KEY, f"rank {dist.get_rank()}: {type(error).__name__}: {error}"[:2000])
         except Exception:  # the store may be gone with the peer that hosted it
             pass
+
+
+def raise_unless_failing(broken: Exception | None, failure: BaseException | None) -> None:
+    """A teardown's own error ``broken`` is raised, unless ``failure`` (the caller's error) is
+    propagating: then it is logged, and the failure surfaces as itself."""
+    if broken is not None and failure is None:
+        raise broken
+    if broken is not None:
+        logger.warning("ZeroOffload: teardown after %s: %r failed too", type(failure).__name__,
+                       broken, exc_info=broken)
 
 
 def _store() -> Any:
@@ -127,52 +138,100 @@ def _failed_peer() -> str | None:
     return None
 
 
-def run(what: str, fn: Callable[[], T]) -> T:
-    """``fn()``, a collective called ``what``; a failure becomes a :class:`CollectiveError`
-    naming this rank and, when one left a note, the rank that failed first."""
+def run(what: str, fn: Callable[[], T], group: Any = None) -> T:
+    """``fn()``, a collective called ``what`` over ``group``; a failure becomes a
+    :class:`CollectiveError` naming this rank and the rank that failed first when one left a
+    note, else the peers that may be lost."""
     logger.debug("%s: start", what)
     try:
         out = fn()
     except Exception as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        peer = _failed_peer()
-        cause = (f"{peer.split(':')[0]} failed first ({peer})" if peer else
-                 "another rank probably failed or stopped calling the engine (see its error)")
-        raise CollectiveError(
-            f"ZeroOffload: the {what} on rank {rank} failed or timed out ({type(e).__name__}: "
-            f"{str(e)[:300]}): {cause}. Every rank must call backward/step/checkpoint methods "
-            "the same number of times; collective_timeout_s sets how long a rank waits.") from e
+        raise _failed(what, e, group) from e
     logger.debug("%s: end", what)
     return out
+
+
+@contextlib.contextmanager
+def reported(what: str, group: Any) -> Iterator[None]:
+    """Around work that issues collectives the engine does not call itself (under tensor
+    parallelism DTensor's, in forward and backward): a failure inside leaves a note for the
+    peers, and an error of torch.distributed becomes a :class:`CollectiveError` like
+    :func:`run`'s (a peer lost mid-forward is named, not left to gloo's words)."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, CollectiveError) or not _from_distributed(e):
+            report_failure(e)
+            raise
+        error = _failed(what, e, group)  # read any peer's note before leaving ours
+        report_failure(error)
+        raise error from e
+
+
+def _from_distributed(e: BaseException) -> bool:
+    """Whether ``e`` came out of torch.distributed (a collective or its wait): a frame of its
+    traceback, below the catching one, is torch.distributed's."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _failed(what: str, e: BaseException, group: Any) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    peer = _failed_peer()
+    cause = (f"{peer.split(':')[0]} failed first ({peer})" if peer else
+             f"{_peers(group)} probably failed, was lost or stopped calling the engine (see "
+             "its error)")
+    return CollectiveError(
+        f"ZeroOffload: the {what} on rank {rank} failed or timed out ({type(e).__name__}: "
+        f"{str(e)[:300]}): {cause}. Every rank must call backward/step/checkpoint methods "
+        "the same number of times; collective_timeout_s sets how long a rank waits.")
+
+
+def _peers(group: Any) -> str:
+    """The other ranks of ``group``, by global rank: the one that failed is among them."""
+    try:
+        others = [r for r in dist.get_process_group_ranks(group or dist.group.WORLD)
+                  if r != dist.get_rank()]
+    except Exception:  # no group (one process), or one already destroyed
+        others = []
+    if len(others) == 1:
+        return f"rank {others[0]}"
+    return f"one of ranks {others}" if others else "another rank"
 
 
 def gather_objects(what: str, obj: Any, group: Any = None) -> list:
     """Every rank's ``obj`` of ``group``, in rank order (:func:`run` names the collective)."""
     every: list = [None] * dist.get_world_size(group)
-    run(what, lambda: dist.all_gather_object(every, obj, group=group))
+    run(what, lambda: dist.all_gather_object(every, obj, group=group), group)
     return every
 
 
 def reduce_scatter(out: Tensor, inp: Tensor, group: Any) -> None:
     run("reduce-scatter of a gradient bucket",
-        lambda: _reduce_scatter(out, inp, group=group))
+        lambda: _reduce_scatter(out, inp, group=group), group)
 
 
 def all_gather(out: Tensor, inp: Tensor, group: Any,
                what: str = "all-gather of a weight bucket") -> None:
-    run(what, lambda: _all_gather(out, inp, group=group))
+    run(what, lambda: _all_gather(out, inp, group=group), group)
 
 
 def all_reduce(t: Tensor, op: object, group: Any, what: str) -> None:
-    run(what, lambda: dist.all_reduce(t, op=op, group=group))  # type: ignore[arg-type]
+    run(what, lambda: dist.all_reduce(t, op=op, group=group), group)  # type: ignore[arg-type]
 
 
 def broadcast(t: Tensor, src: int, group: Any, what: str) -> None:
-    run(what, lambda: dist.broadcast(t, src=src, group=group))
+    run(what, lambda: dist.broadcast(t, src=src, group=group), group)
 
 
 def barrier(group: Any) -> None:
-    run("barrier", lambda: dist.barrier(group=group))
+    run("barrier", lambda: dist.barrier(group=group), group)
 
 
 def collective_device(group: Any, device: torch.device) -> torch.device:

@@ -88,9 +88,9 @@ class ZeroOffload:
         sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
                               cpu=self.device.type == "cpu", delayed=delayed)
         self.host_budget = dict(sizes.parts)  # bytes this rank; a lazy fp32 gradient adds its own
-        ranks.start(layout, module, self.process_group, self.device, lambda: (  # before any
-            check_host_memory(self.host_bytes, self.rank) if config.check_host_memory else None))
-        master = fill_master(layout, self.rank, dtype, pinned)  # allocation: first the master,
+        ranks.start(layout, module, self.process_group, self.device, self.tp, lambda: (  # before
+            config.check_host_memory and check_host_memory(self.host_bytes, ranks.process_rank())))
+        master = fill_master(layout, self.rank, dtype, pinned)  # any allocation: the master,
         self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)  # (their fp32 storage goes), then the rest
@@ -158,12 +158,9 @@ class ZeroOffload:
         self._check_open()
         if self.loss_scale is not None:  # an fp16 loss times 2**16 could overflow: in fp32
             loss = loss.float() * self.loss_scale
-        try:
-            with self._streamer.backward_pass(sync_gradients):
-                loss.backward()
-        except BaseException as e:
-            collectives.report_failure(self.rank, self.world_size, e)
-            raise
+        group = self.tp.group if self.tp is not None else self.process_group  # DTensor's, ours
+        with collectives.reported("backward", group), self._streamer.backward_pass(sync_gradients):
+            loss.backward()
         self._timer.backward_ended()
 
     @contextlib.contextmanager
@@ -197,7 +194,7 @@ class ZeroOffload:
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
         except BaseException as e:  # peers stuck in a collective name this rank
-            collectives.report_failure(self.rank, self.world_size, e)
+            collectives.report_failure(e)
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # False: keep zero grads, as torch
@@ -319,10 +316,9 @@ class ZeroOffload:
         if self._closed:
             return
         error, broken = sys.exc_info()[1], None  # broken: a failed pending step
-        if error is not None and self.world_size > 1:
-            # An error propagates (a framework's handler): start no collective; peers time out.
-            collectives.report_failure(self.rank, self.world_size, error)
-            copy_weights_to_module = False
+        if error is not None:  # a framework's handler: start no collective; peers time out
+            collectives.report_failure(error)
+            copy_weights_to_module &= self.world_size == 1
         try:
             self.gather_weights() if copy_weights_to_module else self.synchronize()
         except Exception as e:
@@ -335,9 +331,12 @@ class ZeroOffload:
         for h in self._hooks:
             h.remove()
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
-        if copy_weights_to_module:
-            self._weights.restore(self._state.gather_full(self._host.master),
-                                  torch.device(device) if device is not None else None)
+        try:
+            if copy_weights_to_module:
+                self._weights.restore(self._state.gather_full(self._host.master),
+                                      torch.device(device) if device is not None else None)
+        except Exception as e:
+            broken = broken or e
         self._weights.free()
         self._closed = True
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
@@ -345,5 +344,4 @@ class ZeroOffload:
             self._host.free()
             self._release_group()
         self._dev.close()  # after the host buffers: it empties the pinned-memory cache
-        if broken is not None and error is None:
-            raise broken
+        collectives.raise_unless_failing(broken, error)

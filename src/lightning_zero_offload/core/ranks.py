@@ -30,16 +30,30 @@ def _describe(layout: Layout, module: nn.Module) -> list[str]:
     return out
 
 
-def start(layout: Layout, module: nn.Module, group: Any, device: torch.device,
-          local_checks: Callable[[], None]) -> None:
+def process_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def start(layout: Layout, module: nn.Module, group: Any, device: torch.device, tp: Any,
+          local_checks: Callable[[], object]) -> None:
     """Run this rank's setup checks; with several ranks agree (every rank raises the first
-    failure, or a model difference) and take rank 0's starting weights."""
+    failure, or a model difference) and take rank 0's starting weights. Under tensor
+    parallelism (``tp``) the checks' failures are agreed over every process of the mesh (the
+    data-parallel ``group`` is only a part of them)."""
     try:
         local_checks()
         error = None
     except MemoryError as e:
         error = e
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    several = dist.is_available() and dist.is_initialized()
+    if several and tp is not None and dist.get_world_size() > 1:
+        every = collectives.gather_objects("setup check of every process",
+                                           (tp.mesh.get_coordinate(), _failure(error)))
+        _raise_first([(f"rank {r} (mesh coordinates {tuple(c)})", e)
+                      for r, (c, e) in enumerate(every)])
+        error = None
+    if several and dist.get_world_size(group) > 1:
         logger.debug("setup: agreeing with the other ranks (model, host memory checks)")
         agree(layout, module, group, error)
         logger.debug("setup: agreed; taking rank 0's starting weights and buffers")
@@ -49,20 +63,28 @@ def start(layout: Layout, module: nn.Module, group: Any, device: torch.device,
         raise error
 
 
+def _failure(error: Exception | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _raise_first(failures: list[tuple[str, tuple[str, str] | None]]) -> None:
+    """Every rank raises the first failure of ``(who, failure)``, if any."""
+    for who, err in failures:
+        if err is not None:
+            kind = MemoryError if err[0] == "MemoryError" else ValueError
+            raise kind(f"ZeroOffload: {who} failed its setup checks ({err[0]}: {err[1]}); "
+                       "every rank stops here")
+
+
 def agree(layout: Layout, module: nn.Module, group: Any,
           local_error: Exception | None) -> None:
     """Collective (one small object all-gather). Every rank raises the same error when any rank
     failed its local setup checks (``local_error``, e.g. not enough host memory) or holds a
     different model; otherwise returns on every rank."""
     desc = _describe(layout, module)
-    mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(),
-            None if local_error is None else (type(local_error).__name__, str(local_error)))
+    mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), _failure(local_error))
     every = collectives.gather_objects("setup check of every rank", mine, group)
-    for r, (_, err) in enumerate(every):
-        if err is not None:
-            kind = MemoryError if err[0] == "MemoryError" else ValueError
-            raise kind(f"ZeroOffload: rank {r} failed its setup checks ({err[0]}: {err[1]}); "
-                       "every rank stops here")
+    _raise_first([(f"rank {r}", err) for r, (_, err) in enumerate(every)])
     if all(d == every[0][0] for d, _ in every):
         return
     descs = collectives.gather_objects("setup check of every rank", desc, group)

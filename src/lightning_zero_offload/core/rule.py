@@ -135,7 +135,7 @@ def device_update(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
     float dtype) is scaled in fp32 first, as the kernel does (``grad * grad_scale``, not torch's
     division by a loss scale), so both round the same way; ``grad`` itself is left as it is."""
     g = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad.mul(grad_scale)
-    fused = torch._fused_adamw_ if hp.decoupled else torch._fused_adam_
+    fused = torch.ops.aten._fused_adamw_ if hp.decoupled else torch.ops.aten._fused_adam_
     fused([master], [g], [exp_avg], [exp_avg_sq], [],
           [torch.tensor(float(step), device=master.device)], lr=hp.lr, beta1=hp.betas[0],
           beta2=hp.betas[1], weight_decay=hp.weight_decay, eps=hp.eps, amsgrad=False,

@@ -52,20 +52,21 @@ def local_grad(param: Tensor, grad: Tensor) -> Tensor:
 
 @torch.no_grad()
 def bind(param: Tensor, view: Tensor) -> None:
-    """``param`` (a DTensor or plain parameter) now holds ``view`` (local shape) as its data.
-    A DTensor whose dtype and device stay only swaps its local tensor (cheap: the delayed
-    update's swap of buffers does it every step); otherwise it becomes, in place (the same
-    Python object, so the optimizer's references hold), a DTensor of ``view``'s dtype."""
+    """``param`` (a DTensor or plain parameter) now holds ``view`` (local shape) as its data,
+    in place (the same Python object, so the optimizer's references hold). A DTensor keeps its
+    placements and takes ``view``'s dtype and device; nothing else that holds ``param`` (an
+    autograd graph a traceback keeps alive, a user's list) stands in the way, where
+    ``torch.utils.swap_tensors`` would refuse it."""
     if not is_dtensor(param):
         param.data = view
         return
-    old = param._local_tensor  # type: ignore[attr-defined]
-    if old.dtype == view.dtype and old.device == view.device:
-        param._local_tensor = view  # type: ignore[attr-defined]
-        return
-    new = DTensor.from_local(view, param.device_mesh, param.placements,  # type: ignore
-                             run_check=False, shape=param.shape, stride=param.stride())
-    torch.utils.swap_tensors(param, nn.Parameter(new, requires_grad=param.requires_grad))
+    spec = param._spec  # type: ignore[attr-defined]
+    if spec.tensor_meta.dtype != view.dtype or param.device != view.device:
+        new = DTensor.from_local(view, param.device_mesh, param.placements,  # type: ignore
+                                 run_check=False, shape=param.shape, stride=param.stride())
+        param.data = new  # the wrapper's own dtype and device, as autograd sees them
+        spec = new._spec
+    param._spec, param._local_tensor = spec, view  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -30,7 +31,7 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_zero_offload.core import ZeroOffloadConfig
+from lightning_zero_offload.core import ZeroOffloadConfig, collectives
 from lightning_zero_offload.core.profile import FIELDS
 from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning import mesh as tp_mesh
@@ -232,6 +233,16 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         self._logged_profile = 0
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        # under tensor parallelism the forward runs DTensor's collectives: a lost peer is named
+        with collectives.reported("forward of the training step",
+                                  engine.tp.group if engine.tp is not None else None):
+            return super().training_step(*args, **kwargs)
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if self.engine is None:  # during fit the engine places the module (in the compute dtype)
@@ -239,8 +250,14 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        self._stop_engine()
-        super().teardown()
+        # Lightning tears down inside its handler of a fit's error: that error must surface as
+        # itself (moving DTensor parameters with .cpu() fails while its traceback holds a graph)
+        failure = sys.exc_info()[1]
+        for step in (self._stop_engine, super().teardown):
+            try:
+                step()
+            except Exception as e:
+                collectives.raise_unless_failing(e, failure)
 
     @override
     @contextlib.contextmanager
