@@ -268,3 +268,34 @@ def test_inputs_that_would_break_in_backward_or_forward_are_refused_at_setup():
         meta = make()
     with pytest.raises(ValueError, match="on the meta device"):
         ZeroOffload(meta, torch.optim.AdamW(meta.parameters()))
+
+
+def _raised_in_torch_distributed(error: BaseException) -> BaseException:
+    """``error`` raised from a frame whose file is torch.distributed's (as DTensor ops are)."""
+    code = compile("raise error", "/site-packages/torch/distributed/tensor/_fake.py", "exec")
+    try:
+        exec(code, {"error": error})
+    except BaseException as e:
+        return e
+    raise AssertionError("not raised")
+
+
+def test_reported_rewraps_a_lost_peer_but_not_a_local_error() -> None:
+    """Under tensor parallelism a local error in a DTensor op (a shape mismatch, an OOM) passes
+    through torch.distributed's code: it surfaces as itself; a lost peer's words from there
+    become the engine's CollectiveError."""
+    from lightning_zero_offload.core import collectives
+
+    local = _raised_in_torch_distributed(RuntimeError("a and b must have same reduction dim"))
+    with pytest.raises(RuntimeError, match="same reduction dim") as info:
+        with collectives.reported("the forward", None):
+            raise local
+    assert info.type is RuntimeError
+    oom = _raised_in_torch_distributed(torch.OutOfMemoryError("out of memory"))
+    with pytest.raises(torch.OutOfMemoryError):
+        with collectives.reported("the forward", None):
+            raise oom
+    lost = _raised_in_torch_distributed(RuntimeError("[gloo] Connection reset by peer"))
+    with pytest.raises(collectives.CollectiveError, match="the forward on rank 0 failed"):
+        with collectives.reported("the forward", None):
+            raise lost

@@ -116,8 +116,14 @@ assert type(fabric.strategy) is ZeroOffloadFabricStrategy, type(fabric.strategy)
 """
 
 
-@pytest.mark.parametrize("first", ["lightning_zero_offload", "lightning.pytorch", "lightning"])
+_LOOKUP_FIRST = "lightning_zero_offload\nimport importlib.util\nimportlib.util.find_spec('lightning')"
+
+
+@pytest.mark.parametrize("first", ["lightning_zero_offload", "lightning.pytorch", "lightning",
+                                   _LOOKUP_FIRST])
 def test_zero_offload_is_registered_with_lightning_in_either_import_order(first: str) -> None:
+    """Also when something asks whether Lightning is installed (``find_spec``, as
+    ``lightning_utilities.module_available`` does) before importing it."""
     pytest.importorskip("lightning")
     second = "lightning_zero_offload" if first != "lightning_zero_offload" else "lightning"
     code = f"import {first}\nimport {second}\n{_TRAINER}"

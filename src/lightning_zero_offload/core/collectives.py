@@ -168,11 +168,20 @@ def reported(what: str, group: Any) -> Iterator[None]:
         raise error from e
 
 
+# What a lost peer looks like from gloo or NCCL when it is not raised as a DistError.
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "timed out", "timeout", "socket", "nccl error", "remote process exited")
+
+
 def _from_distributed(e: BaseException) -> bool:
-    """Whether ``e`` came out of torch.distributed (a collective or its wait): a frame of its
-    traceback, below the catching one, is torch.distributed's."""
+    """Whether ``e`` is a failure of communication (a lost or stuck peer), not a local error
+    that merely passed through torch.distributed's code (a shape error inside a DTensor op, an
+    out-of-memory error in a parallelized layer keep their own type): a ``DistError``, or a
+    RuntimeError with a lost peer's words raised from a torch.distributed frame."""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
+    if type(e) is not RuntimeError or not any(w in str(e).lower() for w in _LOST_PEER):
+        return False
     tb = e.__traceback__
     while tb is not None:
         if "torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):

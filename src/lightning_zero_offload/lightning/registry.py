@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import warnings
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
@@ -66,10 +67,11 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                   ) -> ModuleSpec | None:
         if fullname != _PACKAGE:
             return None
-        sys.meta_path.remove(self)  # once, and the search below must not come back here
+        # Stays until Lightning loads (``importlib.util.find_spec("lightning")``, an "is it
+        # installed?" check, loads nothing); the search below skips this finder.
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
+            spec = find(fullname, path, target) if find is not None and finder is not self else None
             if spec is not None:
                 if spec.loader is not None:
                     spec.loader = _RegisterAfterLoad(spec.loader)
@@ -90,4 +92,11 @@ class _RegisterAfterLoad(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        register()
+        for finder in [f for f in sys.meta_path if isinstance(f, _RegisterAfterImport)]:
+            sys.meta_path.remove(finder)  # Lightning is loaded: nothing left to wait for
+        try:
+            register()
+        except Exception as e:  # the user's `import lightning` must not fail because of us
+            warnings.warn(f"lightning_zero_offload: could not register strategy='zero_offload' "
+                          f"with Lightning ({type(e).__name__}: {e}); pass "
+                          "ZeroOffloadStrategy() as the strategy instead", stacklevel=2)
