@@ -166,3 +166,19 @@ def test_fabric_checkpoint_is_checked(tmp_path):
     with pytest.raises(CheckpointError, match="is damaged"):
         fabric.load(path, state)
     fabric.strategy.teardown()
+
+
+@pytest.mark.parametrize("error", [ConnectionError("remote store unreachable"),
+                                   MemoryError("host out of memory"),
+                                   OSError(5, "Input/output error")])
+def test_a_failure_that_is_not_the_files_surfaces_as_itself(tmp_path, error):
+    """A good checkpoint is not called damaged when reading it fails for another reason (a
+    remote store, memory, a disk error): the error is the loader's own."""
+    from lightning_zero_offload.lightning.checkpoint import load_single
+
+    def load():
+        raise error
+
+    with pytest.raises(type(error)) as info:
+        load_single(tmp_path / "x.ckpt", load, ())
+    assert info.value is error

@@ -409,6 +409,36 @@ def _switch(root: str) -> dict:
     return out
 
 
+def _switch_one_rank_unchanged(root: str) -> dict:
+    """fp32 -> int8 where only one rank's layout changes: Linear(64, 9) cut 5 + 4 rows, 320
+    and 256 elements; int8 pads 320 to 512 but leaves 256 as it is, so rank 1 could load its
+    shard as saved while rank 0 must gather whole tensors (a collective)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    def build(moment_dtype: str) -> ZeroOffload:
+        mesh = _mesh(1, 2)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 9, bias=False))
+        parallelize_module(model, mesh["tensor_parallel"], {"0": ColwiseParallel()})
+        return ZeroOffload(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                           device_mesh=mesh, device="cpu", precision="32-true",
+                           moment_dtype=moment_dtype)
+
+    a = build("fp32")
+    for _ in range(2):
+        a.backward(a.module(torch.randn(4, 64)).square().mean())
+        a.step()
+        a.zero_grad()
+    before = a.full_state_dict()
+    a.save_checkpoint(f"{root}/one_unchanged")
+    a.teardown(copy_weights_to_module=False)
+    b = build("int8")
+    b.load_checkpoint(f"{root}/one_unchanged")
+    after = b.full_state_dict()
+    b.teardown(copy_weights_to_module=False)
+    return {"master": equal_nested(after["model"], before["model"])}
+
+
 def _at_1x2(rank: int, world: int, root: str) -> dict:
     """Every case at mesh (1, 2), in one pair of processes: its result or its traceback."""
     import traceback
@@ -427,7 +457,7 @@ def _at_1x2(rank: int, world: int, root: str) -> dict:
         return str(err.value)
 
     return {"uneven": case(_uneven, root), "switch": case(_switch, root),
-            "offline": case(offline)}
+            "one_unchanged": case(_switch_one_rank_unchanged, root), "offline": case(offline)}
 
 
 @pytest.fixture(scope="module")
@@ -477,6 +507,13 @@ def test_moment_dtype_switches_through_a_sharded_checkpoint_under_tensor_paralle
         assert r["int8"]["same"]  # int8 -> fp32: the moments dequantized as saved, exactly
         assert 0 < r["fp32"]["moments"] < 0.1  # fp32 -> int8: rounded to 8 bits
         assert r["fp32"]["moved"] > 1e-4 and r["int8"]["moved"] > 1e-4
+
+
+def test_a_switch_that_changes_one_ranks_layout_only_loads_on_every_rank(at_1x2):
+    """Uneven shards: rank 1's layout is the saved one, rank 0's is not; both load (before,
+    rank 0 waited in a gather rank 1 never joined)."""
+    for r in _results(at_1x2, "one_unchanged"):
+        assert r["master"]
 
 
 def test_ranks_with_different_plans_fail_setup_on_every_rank():

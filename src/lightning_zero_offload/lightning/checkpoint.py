@@ -22,12 +22,14 @@ before the entry existed) still loads, with a warning that it could not be check
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_zero_offload.core.checkpoint import files, formats
@@ -73,8 +75,13 @@ def _reading(path: _PATH) -> Iterator[None]:
     file that is not a pickle advises ``weights_only=False``: wrong for a damaged file)."""
     try:
         yield
-    except (formats.CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError):
-        raise
+    except (formats.CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError,
+            MemoryError, torch.OutOfMemoryError, ConnectionError, TimeoutError):
+        raise  # not the file's fault: a good checkpoint must not be called damaged
+    except OSError as e:
+        if e.errno != errno.EINVAL:  # a truncated file reads as EINVAL through fsspec
+            raise
+        _damaged(path, e)
     except Exception as e:
         unsafe = files._unsafe_types(e)
         what = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
@@ -84,12 +91,15 @@ def _reading(path: _PATH) -> Iterator[None]:
                 f"values; they are not loaded, since unpickling them could run code ({what[0]}). "
                 "If you trust the file, allow their types with torch.serialization.add_safe_globals"
             ) from None
-        cause = e.__context__ if unsafe and e.__context__ else e  # the unpickler's own words
-        detail = (str(cause).splitlines() or [""])[0][:200]
-        raise formats.CheckpointError(
-            f"checkpoint file {str(path)!r} cannot be read: it is damaged, truncated or not a "
-            f"checkpoint ({type(cause).__name__}: {detail}). Use another checkpoint."
-        ) from None
+        _damaged(path, e.__context__ if unsafe and e.__context__ else e)  # the unpickler's words
+
+
+def _damaged(path: _PATH, cause: BaseException) -> None:
+    detail = (str(cause).splitlines() or [""])[0][:200]
+    raise formats.CheckpointError(
+        f"checkpoint file {str(path)!r} cannot be read: it is damaged, truncated or not a "
+        f"checkpoint ({type(cause).__name__}: {detail}). Use another checkpoint."
+    ) from None
 
 
 def load_single(path: _PATH, load: Callable[[], Any], entries: Collection[str]) -> dict[str, Any]:

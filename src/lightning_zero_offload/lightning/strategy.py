@@ -252,12 +252,15 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     def teardown(self) -> None:
         # Lightning tears down inside its handler of a fit's error: that error must surface as
         # itself (moving DTensor parameters with .cpu() fails while its traceback holds a graph)
-        failure = sys.exc_info()[1]
-        for step in (self._stop_engine, super().teardown):
+        failure, first = sys.exc_info()[1], None
+        for step in (self._stop_engine, super().teardown):  # both run, whatever the first does
             try:
                 step()
             except Exception as e:
-                collectives.raise_unless_failing(e, failure)
+                if first is not None:  # logged; the first error is the news
+                    collectives.raise_unless_failing(e, first)
+                first = first or e
+        collectives.raise_unless_failing(first, failure)
 
     @override
     @contextlib.contextmanager

@@ -306,6 +306,14 @@ class EngineState:
         loaded: list[tuple[str, dict]] = []
         self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
+        if self.tp is not None and self._anywhere(kind == "local") and kind == "shard":
+            # Uneven TP shards: this rank's layout is the saved one, a peer's is not (another
+            # moment_dtype pads its shards otherwise); the peer gathers whole tensors over the
+            # TP group, so every rank goes the consolidated way.
+            loaded.clear()
+            self._agree(agreement.capture(lambda: loaded.append(
+                self._read(files.resolve(path), consolidate=True))))
+            kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
                 self._fill_module(state["module_extra"], strict=False)
@@ -314,9 +322,19 @@ class EngineState:
         else:
             self.load_full(self._whole(state) if kind == "local" else state)
 
-    def _read(self, path: Path) -> tuple[str, dict]:
+    def _anywhere(self, flag: bool) -> bool:
+        """Collective: whether ``flag`` holds on any rank."""
+        _, world, group = self.files_rank
+        if world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self._coll())
+        collectives.all_reduce(t, dist.ReduceOp.MAX, group, "agreement on a checkpoint's path")
+        return bool(t.item())
+
+    def _read(self, path: Path, consolidate: bool = False) -> tuple[str, dict]:
         """``("shard", this rank's shard)``, ``("full", full state)`` or, under tensor
-        parallelism, ``("local", the full state of this rank's local shards)``, validated."""
+        parallelism, ``("local", the full state of this rank's local shards)``, validated;
+        ``consolidate``: never ``"shard"``."""
         if not path.is_dir():
             full = files.safe_load(path)
             validation.check_full(full, self)
@@ -328,7 +346,7 @@ class EngineState:
         validation.check_tensor_parallel(shards, self.tp_describe(), path)
         validation.validate_shards(shards, expected)
         if len(shards) == 1 and shards[0]["world_size"] == self.world_size:
-            if shards[0]["layout"] == self.layout.describe():
+            if shards[0]["layout"] == self.layout.describe() and not consolidate:
                 validation.check_shard(shards[0], self)
                 return "shard", shards[0]
             # Another layout at this world size (e.g. another moment_dtype: int8 pads buckets
