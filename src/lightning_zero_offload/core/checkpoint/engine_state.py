@@ -306,13 +306,17 @@ class EngineState:
         loaded: list[tuple[str, dict]] = []
         self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
-        if self.tp is not None and self._anywhere(kind == "local") and kind == "shard":
-            # Uneven TP shards: this rank's layout is the saved one, a peer's is not (another
-            # moment_dtype pads its shards otherwise); the peer gathers whole tensors over the
-            # TP group, so every rank goes the consolidated way.
-            loaded.clear()
-            self._agree(agreement.capture(lambda: loaded.append(
-                self._read(files.resolve(path), consolidate=True))))
+        if self.tp is not None and self._anywhere(kind == "local"):
+            # Uneven TP shards: this rank's layout may be the saved one while a peer's is not
+            # (another moment_dtype pads its shards otherwise); the peer gathers whole tensors
+            # over the TP group, so every rank goes the consolidated way (and agrees again).
+            if kind == "shard":
+                loaded.clear()
+                error = agreement.capture(lambda: loaded.append(
+                    self._read(files.resolve(path), consolidate=True)))
+            else:
+                error = None
+            self._agree(error)
             kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
