@@ -116,7 +116,8 @@ assert type(fabric.strategy) is ZeroOffloadFabricStrategy, type(fabric.strategy)
 """
 
 
-_LOOKUP_FIRST = "lightning_zero_offload\nimport importlib.util\nimportlib.util.find_spec('lightning')"
+_LOOKUP_FIRST = ("lightning_zero_offload\nimport importlib.util\n"
+                 "importlib.util.find_spec('lightning')")
 
 
 @pytest.mark.parametrize("first", ["lightning_zero_offload", "lightning.pytorch", "lightning",
