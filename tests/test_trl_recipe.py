@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "trl_sft.py"
 
 
+# A process group an earlier test left in this process (Lightning keeps one, by design) leaves
+# its rendezvous in the environment; the recipe's own must not try to bind the same port.
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+               "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+
+
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZERO_OFFLOAD")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ZERO_OFFLOAD") and k not in _RENDEZVOUS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     return env
