@@ -85,9 +85,14 @@ def run_ranks(fn: Callable, world_size: int = 2, *args: Any, timeout: float = 18
                 raise RuntimeError(f"run_ranks: rank {rank} failed:\n{payload}")
             out[rank] = pickle.loads(payload)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop(procs)
     return [out[r] for r in range(world_size)]
+
+
+def stop(procs: list) -> None:
+    """Join spawned processes, killing any still alive after 10 s."""
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -218,7 +218,7 @@ def test_a_rank_killed_under_tensor_parallel_2_ends_the_other_naming_it():
     """Rank 1 dies mid-fit (SIGKILL); rank 0, in a forward collective of DTensor's, ends with
     the engine's error naming the lost rank, as without tensor parallelism."""
     import torch.multiprocessing as mp
-    from _dist import _worker, free_port
+    from _dist import _worker, free_port, stop
 
     ctx = mp.get_context("spawn")
     results, ports = ctx.Queue(), (free_port(), free_port())  # run_ranks' and Lightning's
@@ -230,11 +230,7 @@ def test_a_rank_killed_under_tensor_parallel_2_ends_the_other_naming_it():
     try:
         rank, ok, payload = results.get(timeout=300)  # rank 1 never answers
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop(procs)
     assert rank == 0 and ok, payload
     got = pickle.loads(payload)
     assert got["error"].startswith("CollectiveError: ZeroOffload: the forward of the training "
