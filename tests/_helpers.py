@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
@@ -233,3 +233,19 @@ def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for k, (x, y) in enumerate(zip(a, b, strict=True)):
         assert_bits_equal(x, y, f"tensor {k}: ")
+
+
+def setup_error_with_rank_1_short(rank: int, build: Callable[[], object]) -> str:
+    """``build()`` (an engine's setup) with rank 1's host-memory check refusing: the setup error
+    this rank raised, or "no error"."""
+    import lightning_zero_offload.core.engine as engine_mod
+
+    if rank == 1:
+        def refuse(needed: int, r: int) -> None:
+            raise MemoryError(f"rank {r} needs {needed} bytes (test)")
+        engine_mod.check_host_memory = refuse
+    try:
+        build()
+    except MemoryError as e:
+        return str(e)
+    return "no error"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import run_ranks
-from _helpers import rel_err, tiny_engine, train
+from _helpers import rel_err, setup_error_with_rank_1_short, tiny_engine, train
 from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload
@@ -124,17 +124,7 @@ def test_ranks_start_from_rank_zero_weights():
 
 
 def _memory_on_one_rank(rank: int, world: int) -> str:
-    import lightning_zero_offload.core.engine as engine_mod
-
-    if rank == 1:
-        def refuse(needed: int, r: int) -> None:
-            raise MemoryError(f"rank {r} needs {needed} bytes (test)")
-        engine_mod.check_host_memory = refuse
-    try:
-        _engine()
-    except MemoryError as e:
-        return str(e)
-    return "no error"
+    return setup_error_with_rank_1_short(rank, _engine)
 
 
 @pytest.mark.slow

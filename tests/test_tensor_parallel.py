@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 from _dist import run_ranks
-from _helpers import clone_nested, equal_nested, total_rel_err
+from _helpers import clone_nested, equal_nested, setup_error_with_rank_1_short, total_rel_err
 from _tiny_llama import VOCAB, batch, lm_loss, make, parallelize, param_groups
 from torch import nn
 
@@ -601,17 +601,7 @@ def test_dp2_tp2_on_the_emulated_device_equals_the_cpu_device():
 
 
 def _memory_short_on_rank_1(rank: int, world: int) -> str:
-    import lightning_zero_offload.core.engine as engine_mod
-
-    if rank == 1:
-        def refuse(needed: int, r: int) -> None:
-            raise MemoryError(f"rank {r} needs {needed} bytes (test)")
-        engine_mod.check_host_memory = refuse
-    try:
-        _engine(1, 2, collective_timeout_s=5.0)
-    except MemoryError as e:
-        return str(e)
-    return "no error"
+    return setup_error_with_rank_1_short(rank, lambda: _engine(1, 2, collective_timeout_s=5.0))
 
 
 @pytest.mark.slow
