@@ -75,6 +75,17 @@ class ZeroOffloadConfig:
     ``no_sync()``) needs no fp32 host gradient. The adapters set it from the framework's
     accumulation setting.
 
+    ``offload_fraction``: the share of the trained optimizer state (fp32 master weights and both
+    moments) kept and stepped in host memory. ``1.0`` offloads all of it; ``0.0`` keeps all of it
+    on the device (ZeRO-2 on the device); in between, whole buckets stay on the device, those whose
+    gradients arrive last in backward (the model's first layers), until the device holds
+    ``1 - offload_fraction`` of the state. ``"auto"`` (the default) keeps on the device what the
+    host cannot hold at setup, then, after the first step, moves further buckets onto the device
+    while its peak memory plus what moves stays within ``1 - device_memory_headroom`` of its
+    capacity (once, ranks agreeing); on the CPU compute device it is ``1.0``.
+    ``device_memory_headroom`` (default 0.2) is the share of the device's memory ``"auto"`` leaves
+    free: a later, longer batch may peak above the first step's.
+
     ``precision=None`` (the default) takes the framework's: Lightning's ``precision``,
     Accelerate's ``mixed_precision``, the transformers Trainer's ``bf16``/``fp16``; the plain
     engine uses ``DEFAULT_PRECISION`` (``"bf16-mixed"``). An explicit value that disagrees with
@@ -96,6 +107,8 @@ class ZeroOffloadConfig:
     moment_dtype: str = "fp32"
     moment_seed: int = 0
     accumulate: bool | None = None
+    offload_fraction: float | str = "auto"
+    device_memory_headroom: float = 0.2
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -158,6 +171,12 @@ class ZeroOffloadConfig:
             fail("moment_dtype", f"one of {', '.join(map(repr, MOMENT_DTYPES))}", ValueError)
         if number("moment_seed", integer=True) and not 0 <= self.moment_seed < 2**63:
             fail("moment_seed", "an int in [0, 2**63)", ValueError)
+        f = self.offload_fraction
+        if f != "auto" and (isinstance(f, bool) or not isinstance(f, (int, float))
+                            or not 0.0 <= f <= 1.0):
+            fail("offload_fraction", 'a number in [0, 1] or "auto"', ValueError)
+        if number("device_memory_headroom") and not 0.0 <= self.device_memory_headroom < 1.0:
+            fail("device_memory_headroom", "a number in [0, 1)", ValueError)
         if number("collective_timeout_s") and not 0 < self.collective_timeout_s < math.inf:
             fail("collective_timeout_s", "a finite number of seconds > 0", ValueError)
 
