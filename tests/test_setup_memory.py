@@ -17,7 +17,7 @@ from _helpers import tiny_engine
 from _tiny_gpt import make
 
 from lightning_zero_offload.core import engine as engine_mod
-from lightning_zero_offload.core import host
+from lightning_zero_offload.core import master_fill as host
 
 
 def _storages(model: torch.nn.Module) -> list[weakref.ref]:

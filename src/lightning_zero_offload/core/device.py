@@ -185,6 +185,26 @@ class SyncDevice:
     def synchronize(self) -> None:
         pass
 
+    # -- long-lived device memory (the weights, optimizer state kept on the device) -------------
+    def zeros(self, numel: int, dtype: torch.dtype, role: str) -> Tensor:
+        """A zeroed device tensor that lives until :meth:`free` (``role`` names it)."""
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def free(self, t: Tensor) -> None:
+        """``t`` from :meth:`zeros` is no longer used (its memory goes with its last view)."""
+
+    def memory(self) -> tuple[int, int] | None:
+        """``(peak, capacity)`` bytes: the most held since :meth:`reset_peak_memory`, and the
+        device's memory. None where the device has no memory of its own (the CPU)."""
+        return None
+
+    def free_memory(self) -> int | None:
+        """Bytes the device can still allocate (None: no memory of its own)."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        pass
+
     def close(self) -> None:
         self._pool = []
 
@@ -269,6 +289,19 @@ class CudaDevice(SyncDevice):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def memory(self) -> tuple[int, int] | None:
+        # Reserved, not allocated: what the caching allocator holds is what others cannot use.
+        return (torch.cuda.max_memory_reserved(self.device),
+                torch.cuda.get_device_properties(self.device).total_memory)
+
+    def free_memory(self) -> int | None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+            self.device)
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def close(self) -> None:
         self._tasks.shutdown(wait=True)

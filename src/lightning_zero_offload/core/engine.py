@@ -16,20 +16,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, ranks, tensor_parallel
+from lightning_zero_offload.core import checks, collectives, ranks, shard_view, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.device_factory import make_device
-from lightning_zero_offload.core.host import HostBuffers, engine_budget, fill_master, plan
+from lightning_zero_offload.core.host import HostBuffers, budget_at
 from lightning_zero_offload.core.layout import build_layout, shard_align
+from lightning_zero_offload.core.master_fill import fill_master
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
+from lightning_zero_offload.core.resident import DevicePart
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
-from lightning_zero_offload.core.update import HostUpdate
+from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate
 from lightning_zero_offload.core.weights import DeviceWeights
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
@@ -85,18 +86,19 @@ class ZeroOffload:
         kw: dict[str, Any] = dict(asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
                                   moment_dtype=config.moment_dtype, accumulate=config.accumulate)
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        sizes = engine_budget(plan(layout, dtype, **kw), layout, module, trained, dtype,
-                              cpu=self.device.type == "cpu", delayed=delayed)
-        self.host_budget = dict(sizes.parts)  # bytes this rank; a lazy fp32 gradient adds its own
-        ranks.start(layout, module, self.process_group, self.device, self.tp, lambda: (  # before
-            config.check_host_memory and check_host_memory(self.host_bytes, ranks.process_rank())))
-        master = fill_master(layout, self.rank, dtype, pinned)  # any allocation: the master,
+        self._part = part = DevicePart(layout, dev, dtype, config, self.rank, self.process_group,
+                                       budget_at(layout, module, trained, dtype, **kw,
+                                                 cpu=self.device.type == "cpu"))
+        ranks.start(layout, module, self.process_group, self.device, self.tp, part.choose)
+        self.host_budget = part.agree()  # bytes this rank; a lazy fp32 gradient adds its own
+        resident = part.stages()  # on the device, then the master: the host's and theirs,
+        master = fill_master(layout, self.rank, dtype, pinned, resident)
         self._profile = ProfileRecorder()  # then the device weights take the parameters over
         self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
                                       self._profile)  # (their fp32 storage goes), then the rest
         self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master, **kw,
                                         check_memory=config.check_host_memory,
-                                        budget=self.host_budget)
+                                        budget=self.host_budget, resident=resident)
         self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
                                       self._profile)
         self._timer = PassTimer(self._profile)
@@ -111,8 +113,10 @@ class ZeroOffload:
                             seed=config.moment_seed, asynchronous=dev.asynchronous, half=half,
                             profile=self._profile)
         self._delayed = DelayedUpdate(self._worker, self._profile, self._weights, host, update)
-        self._stepper = Stepper(layout, self._streamer, self._weights, update, self._delayed,
-                                config, decoupled=self.decoupled, rank=self.rank,
+        on_device = DeviceUpdate(layout, host, self._streamer, rank=self.rank,
+                                 profile=self._profile)
+        self._stepper = Stepper(layout, self._streamer, self._weights, update, on_device,
+                                self._delayed, config, decoupled=self.decoupled, rank=self.rank,
                                 process_group=self.process_group, device=self.device,
                                 profile=self._profile, worker=self._worker)
         self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
@@ -190,12 +194,27 @@ class ZeroOffload:
             self._calls += 1
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
+            if self._part.wants_move:  # "auto": once, after the first step
+                self._move_state()
             # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
         except BaseException as e:  # peers stuck in a collective name this rank
             collectives.report_failure(e)
             raise
+
+    def _move_state(self) -> None:
+        """Collective: more buckets' optimizer state onto the device, nothing in flight."""
+        self._delayed.join()
+        self._streamer.drain()
+        self._dev.synchronize()
+        if self._part.move(self._host, self.host_budget):
+            self._streamer.buffers_replaced()
+
+    @property
+    def offload_fraction(self) -> float:
+        """The share of the trained optimizer state kept on the host (``"auto"`` resolved)."""
+        return self._part.resolved
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # False: keep zero grads, as torch
         self._check_open()
@@ -267,7 +286,8 @@ class ZeroOffload:
         weights follow the master weights."""
         self.gather_weights()
         load(source)
-        self._weights.push_all([self._host.state(b)[0] for b in range(len(self.layout.buckets))])
+        self._weights.push_all([shard_view.bucket_master(self._host, b)
+                                for b in range(len(self.layout.buckets))])
         self._dev.compute_point()
 
     def state_dict(self) -> dict:
@@ -333,7 +353,7 @@ class ZeroOffload:
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         try:
             if copy_weights_to_module:
-                self._weights.restore(self._state.gather_full(self._host.master),
+                self._weights.restore(self._state.gather_full(self._state.masters()),
                                       torch.device(device) if device is not None else None)
         except Exception as e:
             broken = broken or e

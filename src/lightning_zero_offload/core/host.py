@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.layout import Layout, shard_pieces
+from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
+from lightning_zero_offload.core.placement import device_bytes, host_numel
 from lightning_zero_offload.core.preflight import check_lazy_fp32
-from lightning_zero_offload.core.stage import HostStage
-from lightning_zero_offload.core.tensor_parallel import local
+from lightning_zero_offload.core.stage import DeviceStage, HostStage
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments, moment_bytes
 
@@ -88,10 +88,14 @@ class Sizes:
 
 
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
-         pinned: bool, moment_dtype: str = "fp32", accumulate: bool | None = False) -> Sizes:
+         pinned: bool, moment_dtype: str = "fp32", accumulate: bool | None = False,
+         on_device: int = 0) -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring;
-    ``accumulate=None`` counts the run that does not accumulate)."""
-    return plan_counts(layout.group_shard_numel, [b.shard for b in layout.buckets], dtype,
+    ``accumulate=None`` counts the run that does not accumulate; the trailing ``on_device``
+    buckets' state is on the device, ``core.placement``)."""
+    n_host = len(layout.buckets) - on_device
+    return plan_counts(host_numel(layout, on_device), [b.shard for b in layout.buckets[:n_host]],
+                       dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
                        moment_dtype=moment_dtype, accumulate=accumulate is True)
 
@@ -117,9 +121,9 @@ def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.
     return Sizes(parts)
 
 
-def fp32_grad_bytes(layout: Layout, delayed: bool) -> int:
+def fp32_grad_bytes(group_numel: list[int], delayed: bool) -> int:
     """Bytes the fp32 gradient of every set takes (what a lazy allocation checks for)."""
-    return 4 * sum(layout.group_shard_numel) * (2 if delayed else 1)
+    return 4 * sum(group_numel) * (2 if delayed else 1)
 
 
 def _arena_bytes(slices: list[int], pinned: bool) -> int:
@@ -145,13 +149,31 @@ def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.
 
 
 def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained: dict[int, str],
-                  dtype: torch.dtype, *, cpu: bool, delayed: bool) -> Sizes:
-    """:func:`budget` for an engine over ``module`` (``trained``: its managed parameters)."""
-    return budget(sizes, sum(layout.group_numel),
-                  max((b.numel for b in layout.buckets), default=0), dtype, cpu=cpu,
-                  delayed=delayed, frozen_bytes=frozen_bytes(module, trained, dtype),
-                  untrained_bytes=untrained_bytes(module, trained, dtype),
-                  buckets_in_flight=BUCKET_BUFFERS)  # on the CPU, host memory too
+                  dtype: torch.dtype, *, cpu: bool, delayed: bool, on_device: int = 0,
+                  accumulate: bool | None = False) -> Sizes:
+    """:func:`budget` for an engine over ``module`` (``trained``: its managed parameters;
+    ``on_device``: trailing buckets whose state is on the device, host memory too on the CPU)."""
+    out = budget(sizes, sum(layout.group_numel),
+                 max((b.numel for b in layout.buckets), default=0), dtype, cpu=cpu,
+                 delayed=delayed, frozen_bytes=frozen_bytes(module, trained, dtype),
+                 untrained_bytes=untrained_bytes(module, trained, dtype),
+                 buckets_in_flight=BUCKET_BUFFERS)  # on the CPU, host memory too
+    if cpu and on_device:
+        out.parts["device_state"] = device_bytes(layout, on_device, dtype, accumulate is True)
+    return out
+
+
+def budget_at(layout: Layout, module: torch.nn.Module, trained: dict[int, str],
+              dtype: torch.dtype, *, cpu: bool, **kw: object):
+    """``(on_device, accumulate) -> host bytes per part`` of an engine built with ``kw``
+    (:func:`plan`'s arguments) and that many device-resident buckets."""
+    def at(on_device: int, accumulate: bool | None) -> dict[str, int]:
+        sizes = plan(layout, dtype, **{**kw, "accumulate": accumulate},  # type: ignore[arg-type]
+                     on_device=on_device)
+        return engine_budget(sizes, layout, module, trained, dtype, cpu=cpu,
+                             delayed=bool(kw["delayed"]), on_device=on_device,
+                             accumulate=accumulate).parts
+    return at
 
 
 class _Arena:
@@ -181,17 +203,20 @@ class GradSet:
     """One set of gradient buffers: fp32 per group (maybe not allocated yet), staging, and the
     stage that owns each bucket shard's life in it (``core.stage``)."""
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool) -> None:
-        self.layout = layout
+    def __init__(self, layout: Layout, dtype: torch.dtype, staged: bool, pinned: bool,
+                 resident: list[DeviceStage]) -> None:
+        self.layout, self.numel = layout, host_numel(layout, len(resident))
         self.fp32: list[Tensor] | None = None
-        self._arena = (_Arena([b.shard for b in layout.buckets], dtype, pinned)
+        n_host = len(layout.buckets) - len(resident)
+        self._arena = (_Arena([b.shard for b in layout.buckets[:n_host]], dtype, pinned)
                        if staged else None)
         self.staging = self._arena.slices if self._arena is not None else None
-        self.stages = [HostStage(self, b) for b in range(len(layout.buckets))]
+        self.stages: list[HostStage | DeviceStage] = [
+            *(HostStage(self, b) for b in range(n_host)), *resident]
 
     def allocate_fp32(self) -> None:
         if self.fp32 is None:
-            self.fp32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
+            self.fp32 = [torch.zeros(k) for k in self.numel]
 
     def grad(self, b: int) -> Tensor:
         """Bucket ``b``'s slice of the fp32 gradient (allocated by ``allocate_fp32``)."""
@@ -213,53 +238,24 @@ class GradSet:
         return out + (self._arena.nbytes if self._arena is not None else 0)
 
 
-_FILL_CHUNK = 1 << 24  # elements: the bounded buffer (32 MiB in bf16) a master fill reads through
-
-
-@torch.no_grad()
-def fill_master(layout: Layout, rank: int, dtype: torch.dtype, pinned: bool) -> list[Tensor]:
-    """This rank's fp32 master weights per group, from the parameters (still the user's, before
-    any cast), for :class:`HostBuffers` (``master=``). An fp32 host parameter is copied straight
-    in; any other (a bf16 model, one already on the GPU) passes through one bounded buffer in its
-    dtype, pinned for a GPU parameter when ``pinned``, so the host never holds a temporary of a
-    parameter's size. Called before the device weights take the parameters over and before the
-    other buffers exist: setup never keeps the user's fp32 copy beside the master."""
-    master = [torch.zeros(k, pin_memory=pinned and dtype == torch.float32)
-              for k in layout.group_shard_numel]
-    chunk = min(_FILL_CHUNK, max((hi - lo for _, lo, hi, _ in shard_pieces(layout, rank)),
-                                 default=1))
-    bufs: dict[tuple[torch.dtype, bool], Tensor] = {}
-    for slot, lo, hi, at in shard_pieces(layout, rank):
-        src = local(slot.param).detach().reshape(-1)[lo:hi]
-        dst = master[slot.group][at : at + hi - lo]
-        if src.device.type == "cpu" and src.dtype == torch.float32:
-            dst.copy_(src)
-            continue
-        pin = pinned and src.device.type == "cuda"
-        buf = bufs.get((src.dtype, pin))
-        if buf is None:
-            buf = bufs[(src.dtype, pin)] = torch.empty(chunk, dtype=src.dtype, pin_memory=pin)
-        for a in range(0, src.numel(), chunk):
-            part = buf[: min(chunk, src.numel() - a)]
-            part.copy_(src[a : a + part.numel()])  # from a GPU: waits for the copy
-            dst[a : a + part.numel()].copy_(part)
-    return master
-
-
 class HostBuffers:
     """This rank's host state; the only place that allocates host buffers of the shard's size."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
                  delayed: bool, pinned: bool, moment_dtype: str = "fp32", rank: int = 0,
                  accumulate: bool | None = False, check_memory: bool = False,
-                 master: list[Tensor] | None = None, budget: dict[str, int] | None = None) -> None:
+                 master: list[Tensor] | None = None, budget: dict[str, int] | None = None,
+                 resident: list[DeviceStage] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
         self.budget = budget  # the engine's host_budget: a lazy fp32 gradient enters it
+        self._args = (dtype, asynchronous, pinned)
+        self.resident = resident = list(resident or [])  # the device's trailing buckets
         half = dtype != torch.float32
-        n = layout.group_shard_numel
+        n = host_numel(layout, len(resident))
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
-                          pinned=pinned, moment_dtype=moment_dtype, accumulate=accumulate)
+                          pinned=pinned, moment_dtype=moment_dtype, accumulate=accumulate,
+                          on_device=len(resident))
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [Moments.zeros(k, moment_dtype) for k in n]
         # Each element draws its stochastic rounding from its place in the whole model (groups
@@ -267,9 +263,9 @@ class HostBuffers:
         # is the same at another world size rounds the same.
         self._base = [sum(layout.group_numel[:g]) for g in range(len(n))]
         self.rank = rank
-        self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned)
+        self.grads: GradSet = GradSet(layout, dtype, asynchronous, pinned, resident)
         self.spare: GradSet | None = (
-            GradSet(layout, dtype, asynchronous, pinned) if delayed else None)
+            GradSet(layout, dtype, asynchronous, pinned, resident) if delayed else None)
         if not asynchronous or accumulate:  # on the CPU the fp32 gradient is where buckets land
             self._allocate_fp32()
 
@@ -312,7 +308,7 @@ class HostBuffers:
                 "ZeroOffloadConfig(accumulate=False), so it has no fp32 host gradient to add "
                 "into; set accumulate=True (or None) to accumulate, or call step() and "
                 "zero_grad() after every backward")
-        needed = fp32_grad_bytes(self.layout, self._delayed)
+        needed = fp32_grad_bytes(self.grads.numel, self._delayed)
         if self._check_memory:
             check_lazy_fp32(needed, self.rank)
         self._allocate_fp32()
@@ -339,6 +335,36 @@ class HostBuffers:
         used, self.grads, self.spare = self.grads, spare, self.grads
         return used
 
+    def move_to_device(self, resident: list[DeviceStage]) -> dict[str, int]:
+        """``resident`` (the stages of more trailing buckets, their state already copied from
+        here) takes their state over: the host keeps a shorter prefix of every group in new
+        arrays and the old ones go. Between steps, nothing in flight. Returns the new sizes."""
+        dtype, asynchronous, pinned = self._args
+        self.resident = resident = [*resident, *self.resident]
+        n = host_numel(self.layout, len(resident))
+        half = dtype != torch.float32
+        master = [torch.empty(k, pin_memory=pinned and not half) for k in n]
+        for new, old in zip(master, self.master, strict=True):
+            new.copy_(old[: new.numel()])
+        self.master = master
+        moments = [Moments.zeros(k, self.moment_dtype) for k in n]
+        for new_m, old_m in zip(moments, self.moments, strict=True):
+            new_m.copy_(old_m.chunk(0, new_m.numel))
+        self.moments = moments
+        had_fp32 = self.grads.fp32 is not None
+        for s in (self.grads, self.spare):
+            if s is not None:
+                s.free()
+        self.grads = GradSet(self.layout, dtype, asynchronous, pinned, resident)
+        self.spare = (GradSet(self.layout, dtype, asynchronous, pinned, resident)
+                      if self.spare is not None else None)
+        if had_fp32:
+            self._allocate_fp32()
+        self.sizes = plan(self.layout, dtype, asynchronous=asynchronous, delayed=self._delayed,
+                          pinned=pinned, moment_dtype=self.moment_dtype,
+                          accumulate=self.accumulate or had_fp32, on_device=len(resident))
+        return dict(self.sizes.parts)
+
     def allocated_bytes(self) -> int:
         """Bytes of everything allocated so far (at most ``sizes.total``)."""
         out = sum(t.numel() * 4 for t in self.master)
@@ -346,7 +372,9 @@ class HostBuffers:
         return out + sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
 
     def free(self) -> None:
-        self.master, self.moments = [], []
+        for stage in self.resident:
+            stage.free()
+        self.master, self.moments, self.resident = [], [], []
         for s in (self.grads, self.spare):
             if s is not None:
                 s.free()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from lightning_zero_offload.core.device import Event
 
 
-FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "weight_copy", "stall")
+FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "device_step", "weight_copy", "stall")
 SPANS = (*FIELDS, "grad_transfer")  # grad_transfer: per-bucket copies, drawn but not summed
 
 
@@ -32,7 +32,9 @@ class StepProfile:
     """Seconds per activity in one optimizer step.
 
     ``fwd_bwd``: first forward to the end of the last backward (host time); ``grad_wait``: waiting
-    for gradient transfers in ``step()``; ``cpu_step``: the CPU optimizer kernel; ``weight_copy``:
+    for gradient transfers in ``step()``; ``cpu_step``: the CPU optimizer kernel; ``device_step``:
+    the device part of partial offload (``offload_fraction`` < 1; host time of the caller's
+    thread, which on CUDA is the launch and waits on the gradients); ``weight_copy``:
     copying updated weights to the device; ``stall``: time the main thread (so the device's queue)
     waited on the CPU step, the part of it not hidden. ``spans``: (name, start, end), seconds
     since the recorder was made, for timelines.
@@ -42,6 +44,7 @@ class StepProfile:
     fwd_bwd: float = 0.0
     grad_wait: float = 0.0
     cpu_step: float = 0.0
+    device_step: float = 0.0
     weight_copy: float = 0.0
     stall: float = 0.0
     spans: list[tuple[str, float, float]] = field(default_factory=list)

@@ -12,7 +12,9 @@ tells it which copy reads them (:meth:`weights_read_by`); nobody else touches it
 
 The memory itself (pinned arena blocks, fp32 arrays per group) is allocated and budgeted by
 ``core.host``; a stage holds its set and index and works through ``GradSet.grad``/``stage``.
-A stage whose optimizer state lives on the device is a sibling with the same methods.
+:class:`DeviceStage` is its sibling for a bucket whose optimizer state is kept on the device
+(``core.placement``): it holds that state (fp32 master and moments) and the bucket's reduced
+gradient there, filled on the same side stream, and never crosses to the host.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.device import Event, SyncDevice
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 
 class HostStage:
     """Bucket ``b``'s shard in one host gradient set (two sets under delayed update)."""
+
+    resident = False  # its optimizer state lives on the host
 
     def __init__(self, gset: GradSet, b: int) -> None:
         self._set, self.b = gset, b
@@ -112,3 +117,77 @@ class HostStage:
     def _take_reader(self) -> Event | None:
         reader, self._read_by = self._read_by, None
         return reader
+
+
+class DeviceStage:
+    """Bucket ``b``'s shard kept on the device: its fp32 master and moments, and its reduced
+    gradient (compute dtype after one flush; fp32, allocated at the first flush that adds, when
+    micro-batches accumulate). Both gradient sets share it: the device part steps at once, also
+    under delayed update. Every write is queued on the stream the streamer gives (after the
+    reduce-scatter), and :meth:`wait_filled` orders the compute stream after the last one."""
+
+    resident = True
+
+    def __init__(self, dev: SyncDevice, b: int, shard: int, dtype: torch.dtype) -> None:
+        self.dev, self.b = dev, b
+        self.master = dev.zeros(shard, torch.float32, "device-resident master weights")
+        self.exp_avg = dev.zeros(shard, torch.float32, "device-resident exp_avg")
+        self.exp_avg_sq = dev.zeros(shard, torch.float32, "device-resident exp_avg_sq")
+        self._grad = dev.zeros(shard, dtype, "device-resident gradient")
+        self._fp32: Tensor | None = None  # the sum over flushes, where they accumulate
+        self._filled: Event | None = None
+        self._flushes = 0
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.master, self.exp_avg, self.exp_avg_sq, self._grad, self._fp32)
+                if t is not None]
+
+    def free(self) -> None:
+        for t in self.tensors():
+            self.dev.free(t)
+        self._fp32 = None
+
+    # -- the streamer's side -------------------------------------------------------------------
+    def _add(self, shard: Tensor) -> None:
+        """The reduced ``shard`` joins the gradient since reset (on the stream queueing it)."""
+        if self._flushes == 0:
+            self._grad.copy_(shard)
+        elif self._grad.dtype == torch.float32:
+            self._grad.add_(shard)
+        else:
+            if self._fp32 is None:
+                self._fp32 = self.dev.zeros(self._grad.numel(), torch.float32,
+                                            "device-resident fp32 gradient")
+            if self._flushes == 1:
+                self._fp32.copy_(self._grad)
+            self._fp32.add_(shard)
+        self._flushes += 1
+
+    def receive(self, shard: Tensor, first: bool) -> bool:
+        """A synchronous device: ``shard`` joins the gradient; it may be released."""
+        self._add(shard)
+        return True
+
+    def copy_in(self, dev: SyncDevice, stream: object, shard: Tensor,
+                then: Callable[[], None]) -> Event:
+        """An asynchronous device: ``shard`` joins the gradient on ``stream``, then ``then``."""
+        dev.run(stream, lambda: self._add(shard))
+        then()
+        end = self._filled = dev.record(stream)
+        return end
+
+    def wait_filled(self) -> None:
+        """Compute work from here on (the step) runs after the last write into the gradient."""
+        filled, self._filled = self._filled, None
+        if filled is not None:
+            self.dev.compute_waits_event(filled)
+
+    def reset(self) -> None:
+        self._flushes = 0
+
+    # -- the step's side ----------------------------------------------------------------------
+    def source(self, dev: SyncDevice, flushes: int) -> Tensor:
+        """The gradient after ``flushes`` flushes since reset: zeros when none came."""
+        if flushes == 0:
+            return self._grad.zero_()
+        return self._grad if self._fp32 is None or self._flushes == 1 else self._fp32

@@ -26,7 +26,7 @@ from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker
-from lightning_zero_offload.core.update import HostUpdate, Run, StepPlan
+from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate, Run, StepPlan
 from lightning_zero_offload.core.weights import DeviceWeights
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,14 @@ class Stepper:
     """Owns the step counts, the pending clip coefficient and the fp16 loss scaler."""
 
     def __init__(self, layout: Layout, streamer: GradStreamer, weights: DeviceWeights,
-                 update: HostUpdate, delayed: DelayedUpdate, config: ZeroOffloadConfig, *,
+                 update: HostUpdate, device_update: DeviceUpdate, delayed: DelayedUpdate,
+                 config: ZeroOffloadConfig, *,
                  decoupled: bool, rank: int, process_group: object | None,
                  device: torch.device, profile: ProfileRecorder,
                  worker: CpuStepWorker | None) -> None:
         self.layout, self.streamer, self.weights = layout, streamer, weights
         self.update, self.delayed, self.worker = update, delayed, worker
+        self.device_update = device_update
         self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
         self.world_size, self.device, self.profile = layout.world_size, device, profile
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
@@ -98,7 +100,7 @@ class Stepper:
         local = self.streamer.local_sq_sum() if fast else None
         if local is None:
             grads = self.streamer.fold_last_flush()
-            parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
+            parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu()
                      for g in (tp.counted(self.layout, grads, self.rank) if tp else grads)
                      if g.numel()]
             if not parts:
@@ -200,7 +202,12 @@ class Stepper:
         if plan is None:
             prof.close(k)
         elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
-            self.delayed.submit(k, plan, self.streamer.fold_last_flush())
+            sources = self.streamer.fold_last_flush()
+            # The device part steps now, into both weight sets (the spare one lands next step).
+            assert weights.spare is not None
+            self.device_update.run(plan, sources, [weights.live, weights.spare], k)
+            weights.publish(self.device_update.buckets)
+            self.delayed.submit(k, plan, sources)
         else:
             if cfg.delayed_update and not self._told_warmup and self.rank == 0:
                 self._told_warmup = True  # a run shorter than the warm-up would never overlap
@@ -210,6 +217,7 @@ class Stepper:
                                "synchronously", w, w)
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
+                self.device_update.run(plan, sources, [weights.live], k)  # gathered by the push
                 with weights.push(k, weights.live) as push:
                     if self.worker is not None:  # bound to its cores; collectives stay here
                         self.worker.run(update.run, plan, sources, push, False)

@@ -170,7 +170,7 @@ class GradStreamer:
         """Bucket ``b``'s buffer, contents undefined (all written or zeroed before the flush); on
         the CPU with one rank the first flush lands in the fp32 host gradient (saving a copy)."""
         numel = self.layout.buckets[b].numel
-        if self._direct and self.flushes[b] == 0:
+        if self._direct and self.flushes[b] == 0 and not self.host.grads.stages[b].resident:
             return self.host.grads.grad(b)
         if not self.dev.asynchronous:
             return self.dev.empty(numel, self.dtype)
@@ -279,7 +279,7 @@ class GradStreamer:
             self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
             return end
 
-        if first:
+        if first or stage.resident:  # a device stage adds on the stream itself
             end = copy_in()
             self._ring.flushed(b, lambda: end)
             return
@@ -329,6 +329,11 @@ class GradStreamer:
             self._sources = [stage.source(self.dev, self.flushes[b])
                              for b, stage in enumerate(self.host.grads.stages)]
         return self._sources
+
+    def buffers_replaced(self) -> None:
+        """The host gradient sets were rebuilt (``offload_fraction="auto"`` moved buckets):
+        the step's sources are computed anew."""
+        self._sources = None
 
     def consumed(self, sources: list[Tensor]) -> None:
         """The step has read ``sources``; their contents are dead until the next backward fills

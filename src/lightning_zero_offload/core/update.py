@@ -63,10 +63,12 @@ class HostUpdate:
         push.wait_sources()  # the last push's copies have read the buffers rewritten here
         with self.profile.span("cpu_step", k):
             for b, bucket in enumerate(self.layout.buckets):
+                stage = gset.stages[b]
+                if stage.resident:  # stepped on the device (DeviceUpdate), gathered by finish
+                    continue
                 hp = plan.hparams[bucket.group]
                 master, moments = self.host.state(b)
                 lo, hi = bucket.shard_range(self.rank)
-                stage = gset.stages[b]
                 out = (push.target[bucket.group][lo:hi] if self.out_direct
                        else stage.weights_out() if self.staged_out else None)
                 done = 0
@@ -86,9 +88,11 @@ class HostUpdate:
                 if gather:
                     push.gather(b)
         push.copies_done()
-        # Staging slices that carry weights are handed back on the copy stream (hand_back).
-        self.streamer.consumed([s for s in sources
-                                if not self.staged_out or s.dtype == torch.float32])
+        # Staging slices that carry weights are handed back on the copy stream (hand_back);
+        # the device part's gradients are DeviceUpdate's.
+        self.streamer.consumed([s for s, stage in zip(sources, gset.stages, strict=True)
+                                if not stage.resident
+                                and (not self.staged_out or s.dtype == torch.float32)])
 
 
 def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
@@ -96,3 +100,42 @@ def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None
     of the delayed update) may hold stale, are the master's again."""
     if out is not None and begin < end:
         out[begin:end].copy_(master[begin:end])
+
+
+class DeviceUpdate:
+    """The rule's device implementation over the buckets whose state is kept on the device
+    (``stage.DeviceStage``): stepped on the caller's thread, on the compute stream, before the
+    host part (and at once under delayed update); the new weights are cast into the shards of
+    the given weight buffers, whose pushes gather them."""
+
+    def __init__(self, layout: Layout, host: HostBuffers, streamer: GradStreamer, *, rank: int,
+                 profile: ProfileRecorder) -> None:
+        self.layout, self.host, self.streamer, self.rank = layout, host, streamer, rank
+        self.profile = profile
+
+    @property
+    def buckets(self) -> list[int]:
+        return [stage.b for stage in self.host.resident]
+
+    @torch.no_grad()
+    def run(self, plan: StepPlan, sources: list[Tensor], targets: list[list[Tensor]],
+            step: int) -> None:
+        """Every device-resident bucket shard stepped over its runs (ranges between them left
+        untouched, as the kernel leaves them), its new weights written into each of
+        ``targets``' shards of it."""
+        if not self.host.resident:
+            return
+        with self.profile.span("device_step", step):
+            for stage in self.host.resident:
+                b = stage.b
+                bucket = self.layout.buckets[b]
+                hp = plan.hparams[bucket.group]
+                for begin, end, k in plan.runs[b]:
+                    sl = slice(begin, end)
+                    rule.device_update(stage.master[sl], sources[b][sl], stage.exp_avg[sl],
+                                       stage.exp_avg_sq[sl], hp, step=k,
+                                       grad_scale=plan.grad_scale)
+                lo, hi = bucket.shard_range(self.rank)
+                for target in targets:
+                    target[bucket.group][lo:hi].copy_(stage.master)
+            self.streamer.consumed([sources[b] for b in self.buckets])

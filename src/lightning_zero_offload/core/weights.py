@@ -62,7 +62,7 @@ class DeviceWeights:
                        for p in _frozen(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
         self.trained = trained
-        self.live = [torch.zeros(k, dtype=dtype, device=device) for k in layout.group_numel]
+        self.live = [dev.zeros(k, dtype, "device weights") for k in layout.group_numel]
         with torch.no_grad():
             for slot in layout.slots:  # each parameter's own storage goes once it is copied
                 view = self.live[slot.group][slot.offset : slot.offset + slot.numel]
@@ -70,7 +70,9 @@ class DeviceWeights:
                 bind(slot.param, view.view(slot.shape))  # a DTensor stays one
             self._bind()
             module.to(device=device, dtype=dtype)
-        self.spare = [w.clone() for w in self.live] if delayed else None
+        self.spare = ([dev.zeros(k, dtype, "spare device weights").copy_(w)
+                       for k, w in zip(layout.group_numel, self.live, strict=True)]
+                      if delayed else None)
         self._stream = dev.side_stream("h2d") if dev.asynchronous else None
         for w in [*self.live, *(self.spare or [])]:
             dev.track(w, "device weights")  # for the emulated device's race detector
@@ -103,6 +105,14 @@ class DeviceWeights:
         """Open a push into ``target`` (the live weights, or the spare ones under delayed update)
         for profile step ``step`` (None: a load, no span). On the main thread."""
         return WeightPush(self, step, target)
+
+    def publish(self, buckets: list[int]) -> None:
+        """The live weights' shards of ``buckets``, written on the compute stream (the device
+        part of a step under delayed update), gathered from every rank before the next forward.
+        Collective with several ranks."""
+        if self.world_size > 1 and buckets:
+            with self.push(None, self.live) as push:
+                push.gather_only(buckets)
 
     def push_all(self, sources: list[Tensor]) -> None:
         """A whole push into the live weights from per-bucket host ``sources`` (after a load;
@@ -159,6 +169,8 @@ class DeviceWeights:
                     t.data = t.data.to(device, self.orig_dtypes[id(t)])
 
     def free(self) -> None:
+        for w in [*self.live, *(self.spare or [])]:
+            self.dev.free(w)
         self.live, self.spare = [], None
 
 
@@ -238,6 +250,13 @@ class WeightPush:
         flat = self.target[bucket.group]
         full, mine = flat[bucket.start : bucket.start + bucket.numel], flat[lo:hi]
         w.dev.collective(w._stream, lambda group: collectives.all_gather(full, mine, group))
+
+    def gather_only(self, buckets: list[int]) -> None:
+        """Gather ``buckets`` (no copies); :meth:`finish` gathers nothing else."""
+        for b in range(len(self._gathered)):
+            if b in buckets:
+                self.gather(b)
+            self._gathered[b] = True
 
     def copies_done(self) -> None:
         """After the last copy (on the thread that queued them): the end the next push's host

@@ -33,7 +33,8 @@ def _choose(device: torch.device, process_group: Any, timeout_s: float | None
                          max_delay_ms=_active["max_delay_ms"], timeout_s=timeout_s,
                          stream_delay_ms=_active["stream_delay_ms"],
                          race_detector=_active["race_detector"],
-                         skip_waits=_active["skip_waits"])
+                         skip_waits=_active["skip_waits"],
+                         memory_bytes=_active["memory_bytes"])
     _active["made"].append(emu)
     return emu
 
@@ -45,7 +46,8 @@ register_test_device(_choose)
 def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
                           stream_delay_ms: dict[str, float] | None = None,
                           race_detector: bool | None = None,
-                          skip_waits: Iterable[str] = ()) -> Iterator[list]:
+                          skip_waits: Iterable[str] = (),
+                          memory_bytes: int | None = None) -> Iterator[list]:
     """Engines created on the CPU inside the block run their device-to-host gradient copies,
     reduce-scatters, host-to-device weight copies and all-gathers on emulated side streams:
     worker threads that run their queues in order after seeded random delays of up to
@@ -66,6 +68,11 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     reads what the compute stream wrote without ``stream_waits_compute`` (on the CPU the compute
     stream is always finished). ``skip_waits`` drops every wait of the named kinds
     (``WAIT_KINDS``), for mutation tests; an unknown name is a ValueError.
+
+    ``memory_bytes`` gives the device a capacity: its bucket buffers, weights and the optimizer
+    state kept on it count against it, an allocation beyond it raises ``torch.OutOfMemoryError``,
+    and ``memory()`` reports the peak and the capacity as ``torch.cuda`` does (so
+    ``offload_fraction="auto"`` is tested on the CPU). Without one it has no memory of its own.
     """
     global _active
     skip = check_skip_waits(skip_waits)
@@ -73,7 +80,7 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     previous, made = _active, []
     _active = {"seed": seed, "max_delay_ms": max_delay_ms, "made": made,
                "stream_delay_ms": stream_delay_ms, "race_detector": detector,
-               "skip_waits": skip}
+               "skip_waits": skip, "memory_bytes": memory_bytes}
     try:
         yield made
     finally:

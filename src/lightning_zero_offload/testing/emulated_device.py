@@ -150,7 +150,7 @@ class EmulatedDevice(SyncDevice):
     def __init__(self, device: torch.device, process_group: Any = None, *,
                  seed: int = 0, max_delay_ms: float = 3.0, timeout_s: float | None = None,
                  stream_delay_ms: dict[str, float] | None = None, race_detector: bool = True,
-                 skip_waits: Any = ()) -> None:
+                 skip_waits: Any = (), memory_bytes: int | None = None) -> None:
         super().__init__(device, process_group)
         self.timeout_s, self.stream_delay_s = timeout_s, {
             k: v / 1000.0 for k, v in (stream_delay_ms or {}).items()}
@@ -165,7 +165,10 @@ class EmulatedDevice(SyncDevice):
             1, thread_name_prefix="lzo-emulated-host-task",
             initializer=races.install_mode if race_detector else None)
         self._lock = threading.Lock()
-        self.live_bytes = self.peak_bytes = 0  # device buffers handed out by empty()
+        # Device memory: bucket buffers handed out by empty() and tensors from zeros(); with a
+        # capacity (``memory_bytes``) a zeros() beyond it raises as CUDA's allocator does.
+        self.live_bytes = self.peak_bytes = 0
+        self.memory_bytes = memory_bytes
 
     def side_stream(self, name: str) -> _EmuStream:
         group = None
@@ -259,6 +262,32 @@ class EmulatedDevice(SyncDevice):
 
     def handed_back(self, t: Tensor) -> None:
         _poison(t)
+
+    def zeros(self, numel: int, dtype: torch.dtype, role: str) -> Tensor:
+        n = numel * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            cap = self.memory_bytes
+            if cap is not None and self.live_bytes + n > cap:
+                raise torch.OutOfMemoryError(
+                    f"emulated device out of memory: {role} needs {n} bytes, {self.live_bytes} "
+                    f"of {cap} are in use")
+            self.live_bytes += n
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return super().zeros(numel, dtype, role)
+
+    def free(self, t: Tensor) -> None:
+        with self._lock:
+            self.live_bytes -= _nbytes(t)
+
+    def memory(self) -> tuple[int, int] | None:
+        return None if self.memory_bytes is None else (self.peak_bytes, self.memory_bytes)
+
+    def free_memory(self) -> int | None:
+        return None if self.memory_bytes is None else self.memory_bytes - self.live_bytes
+
+    def reset_peak_memory(self) -> None:
+        with self._lock:
+            self.peak_bytes = self.live_bytes
 
     def synchronize(self) -> None:
         self.compute_point()

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload import ops
-from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core import collectives, shard_view
 from lightning_zero_offload.core.checkpoint import agreement, files, formats, validation
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
@@ -78,10 +77,10 @@ class EngineState:
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             **tp,
             "precision": self.precision, "layout": self.layout.describe(),
-            "moment_dtype": self.host.moment_dtype,
+            "moment_dtype": shard_view.saved_moment_dtype(self.host),
             "groups": [
-                {"step": counters["steps"][g], "master": self.host.master[g],
-                 **formats.moments_fields(self.host.moments[g])}
+                {"step": counters["steps"][g], "master": shard_view.group_master(self.host, g),
+                 **formats.moments_fields(shard_view.group_moments(self.host, g))}
                 for g in range(len(self.group_sizes))
             ],
             "param_steps": counters["param_steps"],
@@ -94,19 +93,8 @@ class EngineState:
             self._load_converted(state)
             return
         validation.check_shard(state, self)
-        md = self.host.moment_dtype
-        with torch.no_grad():
-            for g, saved in enumerate(state["groups"]):
-                self.host.master[g].copy_(saved["master"])
-                mine, theirs = self.host.moments[g], formats.group_moments(state, g)
-                if theirs.moment_dtype == md:
-                    mine.copy_(theirs)
-                else:  # same layout, other format: convert bucket shard by bucket shard
-                    for bucket in self.layout.buckets:
-                        if bucket.group == g:
-                            a, k = bucket.host_offset, bucket.shard
-                            m32, v32 = theirs.chunk(a, k).to_fp32()
-                            mine.chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
+        for g, saved in enumerate(state["groups"]):
+            shard_view.load_group(self.host, g, saved["master"], formats.group_moments(state, g))
         self.stepper.load_state_dict({
             "steps": [int(saved["step"]) for saved in state["groups"]],
             "param_steps": formats.param_steps(state), "scaler": state.get("scaler")})
@@ -152,8 +140,11 @@ class EngineState:
     def moments_fp32(self) -> tuple[list[Tensor], list[Tensor]]:
         """This rank's moments per group in fp32 (the host's own tensors for fp32 moments;
         compact ones dequantized bucket shard by bucket shard, never a whole group at once)."""
-        if self.host.moment_dtype == "fp32":
+        if self.host.moment_dtype == "fp32" and not self.host.resident:
             return self.host.exp_avg, self.host.exp_avg_sq
+        if self.host.resident:
+            both = [shard_view.group_moments(self.host, g) for g in range(len(self.group_sizes))]
+            return [m.exp_avg for m in both], [m.exp_avg_sq for m in both]
         m32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
         v32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
         for bucket in self.layout.buckets:
@@ -162,9 +153,13 @@ class EngineState:
             m32[g][a : a + k], v32[g][a : a + k] = m, v
         return m32, v32
 
+    def masters(self) -> list[Tensor]:
+        """This rank's whole fp32 master shard per group, on the host."""
+        return [shard_view.group_master(self.host, g) for g in range(len(self.group_sizes))]
+
     def full(self, *, model: bool, optimizer: bool) -> dict:
         """Collective. See ``ZeroOffload.full_state_dict``."""
-        flats = {"master": self.gather_full(self.host.master)} if model else {}
+        flats = {"master": self.gather_full(self.masters())} if model else {}
         if optimizer:
             m32, v32 = self.moments_fp32()
             flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
@@ -228,22 +223,21 @@ class EngineState:
                 steps[s.group] = max(steps[s.group], n)
             self.stepper.load_state_dict({"steps": steps, "param_steps": param_steps,
                                           "scaler": state.get("scaler")})
-            host, md = self.host, self.host.moment_dtype
             pieces: dict[int, list] = {}
             for piece in shard_pieces(self.layout, self.rank):
                 pieces.setdefault(piece[0].bucket, []).append(piece)
             for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
-                g, a, k = bucket.group, bucket.host_offset, bucket.shard
+                a, k = bucket.host_offset, bucket.shard
+                master = shard_view.bucket_master(self.host, b)
                 m32, v32 = torch.zeros(k), torch.zeros(k)
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
-                    host.master[g][at : at + hi - lo] = model[slot.name].reshape(-1)[lo:hi]
+                    master[sl] = model[slot.name].reshape(-1)[lo:hi]
                     st = states.get(slot.index)
                     if st:
                         m32[sl] = st["exp_avg"].reshape(-1)[lo:hi]
                         v32[sl] = st["exp_avg_sq"].reshape(-1)[lo:hi]
-                # int8: rounded to nearest (the stochastic rounding is the kernel's, per step)
-                host.moments[g].chunk(a, k).copy_(ops.Moments.from_fp32(m32, v32, md))
+                shard_view.write_moments(self.host, b, m32, v32)
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):
                 group.update(formats.group_hparams(saved))

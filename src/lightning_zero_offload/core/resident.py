@@ -1,0 +1,179 @@
+"""The device part of partial offload: how many trailing buckets keep their optimizer state on
+the device, their stages, and the one move ``offload_fraction="auto"`` makes after the first step.
+
+At setup a fixed fraction is placed as ``core.placement`` says (its device part checked against
+the device's free memory before anything is allocated); ``"auto"`` keeps on the device only what
+the host cannot hold (none where the device has no memory of its own: the CPU). After the first
+optimizer step ``"auto"`` reads the device's peak and capacity and moves more buckets' state,
+next in the same order, while the peak plus what moves stays within ``1 - headroom`` of the
+capacity: ranks agree on the smallest count, the state is copied up, and only once every rank
+allocated its part do the host buffers shrink; an allocation failure on any rank leaves every
+rank as it was, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.core import collectives, placement, ranks
+from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.device import SyncDevice
+from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.preflight import check_host_memory
+from lightning_zero_offload.core.stage import DeviceStage
+
+logger = logging.getLogger(__name__)
+
+
+class DevicePart:
+    """Owns the count of device-resident buckets and makes their stages."""
+
+    def __init__(self, layout: Layout, dev: SyncDevice, dtype: torch.dtype,
+                 config: ZeroOffloadConfig, rank: int, group: object | None,
+                 budget: Callable[[int, bool | None], dict[str, int]]) -> None:
+        """``budget(count, accumulate)``: the engine's host bytes per part at a count."""
+        self.layout, self.dev, self.dtype, self.rank, self.group = layout, dev, dtype, rank, group
+        self.fraction, self.headroom = config.offload_fraction, config.device_memory_headroom
+        self.accumulate, self._budget = config.accumulate, budget
+        self._check_host = config.check_host_memory
+        self.count = 0
+        self._pending_move = self.fraction == "auto" and dev.memory() is not None
+
+    @property
+    def resolved(self) -> float:
+        """Host elements over all trained elements (``ZeroOffload.offload_fraction``)."""
+        return placement.host_fraction(self.layout, self.count)
+
+    def choose(self) -> None:
+        """Setup, local, before any allocation: the count for this rank, then the host-memory
+        check (MemoryError when it, a fixed fraction's device part, or the part the host cannot
+        hold does not fit)."""
+        self.count = self._choose()
+        if self._check_host:
+            check_host_memory(sum(self._budget(self.count, self.accumulate).values()),
+                              ranks.process_rank())
+
+    def _choose(self) -> int:
+        free, accumulate = self.dev.free_memory(), self.accumulate is True
+        available = psutil.virtual_memory().available
+
+        def host_fits(n: int) -> bool:
+            return sum(self._budget(n, self.accumulate).values()) <= available
+        if self.fraction != "auto":
+            n = placement.device_count(self.layout, float(self.fraction))
+            placement.check_device_part(self.layout, n, self.dtype, accumulate, free,
+                                        float(self.fraction), self.rank)
+        elif free is None or host_fits(0):
+            n = 0
+        else:  # the fewest trailing buckets whose host part fits (host bytes fall with n)
+            lo, hi = 0, len(self.layout.buckets)
+            if not host_fits(hi):
+                n = 0  # not even all of it: the host-memory check says so
+            else:
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if host_fits(mid) else (mid, hi)
+                n = hi
+                need = placement.device_bytes(self.layout, n, self.dtype, accumulate)
+                if need > free:
+                    raise MemoryError(
+                        f"ZeroOffload: rank {self.rank}'s host cannot hold its optimizer state "
+                        f"and the part it cannot hold ({format_bytes(need)} on the device) does "
+                        f"not fit in the device's {format_bytes(free)} free either; use more "
+                        "ranks, "
+                        "moment_dtype='int8' or a smaller model")
+        return n
+
+    def agree(self) -> dict[str, int]:
+        """Collective with several ranks: the largest count of any rank (a short host's);
+        returns the host budget at it."""
+        self.count = self._reduce(self.count, dist.ReduceOp.MAX)
+        return self._budget(self.count, self.accumulate)
+
+    def stages(self) -> list[DeviceStage]:
+        """Zeroed stages of the trailing ``count`` buckets (their master filled later)."""
+        return self._make(range(len(self.layout.buckets) - self.count, len(self.layout.buckets)))
+
+    def _make(self, buckets: range) -> list[DeviceStage]:
+        made: list[DeviceStage] = []
+        try:
+            for b in buckets:
+                made.append(DeviceStage(self.dev, b, self.layout.buckets[b].shard, self.dtype))
+        except BaseException:
+            for s in made:
+                s.free()
+            raise
+        return made
+
+    def _reduce(self, n: int, op: dist.ReduceOp.RedOpType) -> int:
+        if self.layout.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64).to(
+            collectives.collective_device(self.group, self.dev.device))
+        collectives.all_reduce(t, op, self.group, "all-reduce of the device-resident buckets")
+        return int(t.item())
+
+    # -- "auto" after the first step ----------------------------------------------------------
+    @property
+    def wants_move(self) -> bool:
+        return self._pending_move
+
+    @torch.no_grad()
+    def move(self, host: HostBuffers, budget: dict[str, int]) -> bool:
+        """Collective with several ranks; between steps, nothing in flight. Moves the next
+        buckets' state onto the device as far as the measured peak allows, ``budget`` (the
+        engine's host bytes) following; True when it did."""
+        self._pending_move = False
+        accumulating = host.grads.fp32 is not None
+        memory = self.dev.memory()
+        assert memory is not None
+        peak, capacity = memory
+        room = (1.0 - self.headroom) * capacity - peak
+        n_host, more = len(self.layout.buckets) - self.count, 0
+        for b in range(n_host - 1, -1, -1):
+            need = placement.bucket_device_bytes(self.layout.buckets[b].shard, self.dtype,
+                                                 accumulating)
+            if need > room:
+                break
+            room -= need
+            more += 1
+        more = self._reduce(more, dist.ReduceOp.MIN)
+        if more == 0:
+            return False
+        made: list[DeviceStage] = []
+        try:
+            made = self._make(range(n_host - more, n_host))
+            for stage in made:
+                master, moments = host.state(stage.b)
+                stage.master.copy_(master)
+                m, v = moments.to_fp32()
+                stage.exp_avg.copy_(m)
+                stage.exp_avg_sq.copy_(v)
+            ok = 1
+        except torch.OutOfMemoryError as e:
+            logger.warning("ZeroOffload: offload_fraction='auto' could not move %d more "
+                           "buckets' optimizer state onto the device (%s); the run goes on "
+                           "as it was, at offload_fraction=%.4f", more, e, self.resolved)
+            ok = 0
+        if not self._reduce(ok, dist.ReduceOp.MIN):
+            for stage in made:
+                stage.free()
+            if ok:
+                logger.warning("ZeroOffload: offload_fraction='auto': another rank could not "
+                               "move its optimizer state onto the device; every rank goes on "
+                               "as it was")
+            return False
+        host.move_to_device(made)
+        self.count += more
+        budget.clear()
+        budget.update(self._budget(self.count, accumulating or self.accumulate))
+        logger.info("ZeroOffload: offload_fraction='auto' moved %d buckets onto the device; "
+                    "offload_fraction is now %.4f", more, self.resolved)
+        return True

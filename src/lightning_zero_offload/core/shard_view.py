@@ -1,0 +1,86 @@
+"""This rank's optimizer shard as whole groups, wherever each bucket's state lives.
+
+Under partial offload (``core.placement``) the host keeps a prefix of every group's arrays and
+the device-resident buckets (``HostBuffers.resident``) the rest; checkpoints, loads and teardown
+see the whole group as before, so what they write does not depend on the placement. The host's
+own tensors are returned where nothing lives on the device (no copy); otherwise a host copy.
+A shard with a device part and compact host moments is saved with fp32 moments (the device's
+are fp32: quantizing them into the file would change the run), which loads into any engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.stage import DeviceStage
+from lightning_zero_offload.ops.moments import Moments
+
+
+def _resident(host: HostBuffers, g: int) -> list[DeviceStage]:
+    """The device-resident stages of group ``g``, in host-offset order."""
+    return [s for s in host.resident if host.layout.buckets[s.b].group == g]
+
+
+def saved_moment_dtype(host: HostBuffers) -> str:
+    """The moment format of this rank's shard as saved."""
+    return "fp32" if host.resident else host.moment_dtype
+
+
+def bucket_master(host: HostBuffers, b: int) -> Tensor:
+    """Bucket ``b``'s shard of the fp32 master, where it lives (host view or device tensor)."""
+    first = len(host.layout.buckets) - len(host.resident)
+    return host.resident[b - first].master if b >= first else host.state(b)[0]
+
+
+def group_master(host: HostBuffers, g: int) -> Tensor:
+    """Group ``g``'s whole fp32 master shard on the host."""
+    stages = _resident(host, g)
+    if not stages:
+        return host.master[g]
+    return torch.cat([host.master[g], *(s.master.cpu() for s in stages)])
+
+
+def group_moments(host: HostBuffers, g: int) -> Moments:
+    """Group ``g``'s whole moments in :func:`saved_moment_dtype`."""
+    mine, stages = host.moments[g], _resident(host, g)
+    if saved_moment_dtype(host) == host.moment_dtype and not stages:
+        return mine
+    m, v = mine.to_fp32() if mine.numel else (torch.zeros(0), torch.zeros(0))
+    return Moments("fp32", torch.cat([m, *(s.exp_avg.cpu() for s in stages)]),
+                   torch.cat([v, *(s.exp_avg_sq.cpu() for s in stages)]))
+
+
+@torch.no_grad()
+def load_group(host: HostBuffers, g: int, master: Tensor, moments: Moments) -> None:
+    """Group ``g``'s whole shard (as :func:`group_master`/:func:`group_moments` give it, in any
+    moment format) into the host prefix and the device-resident buckets."""
+    n, md = host.master[g].numel(), host.moment_dtype
+    host.master[g].copy_(master[:n])
+    if moments.moment_dtype == md:
+        host.moments[g].copy_(moments.chunk(0, n))
+    else:  # same layout, other format: convert bucket shard by bucket shard
+        for b, bucket in enumerate(host.layout.buckets):
+            if bucket.group == g and bucket.host_offset < n:
+                a, k = bucket.host_offset, bucket.shard
+                write_moments(host, b, *moments.chunk(a, k).to_fp32())
+    for stage in _resident(host, g):
+        a, k = host.layout.buckets[stage.b].host_offset, host.layout.buckets[stage.b].shard
+        stage.master.copy_(master[a : a + k])
+        write_moments(host, stage.b, *moments.chunk(a, k).to_fp32())
+
+
+@torch.no_grad()
+def write_moments(host: HostBuffers, b: int, m32: Tensor, v32: Tensor) -> None:
+    """Bucket ``b``'s shard of both moments from fp32 (int8 host moments: rounded to nearest;
+    the stochastic rounding is the kernel's, per step)."""
+    first = len(host.layout.buckets) - len(host.resident)
+    if b >= first:
+        stage = host.resident[b - first]
+        stage.exp_avg.copy_(m32)
+        stage.exp_avg_sq.copy_(v32)
+        return
+    bucket = host.layout.buckets[b]
+    host.moments[bucket.group].chunk(bucket.host_offset, bucket.shard).copy_(
+        Moments.from_fp32(m32, v32, host.moment_dtype))

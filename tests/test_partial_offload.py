@@ -1,0 +1,208 @@
+"""Partial offload (``offload_fraction``): whole trailing buckets keep their optimizer state on
+the device and are stepped there with torch's fused AdamW; the rest stays on the host. Every
+fraction trains as ``torch.optim.AdamW`` + ``clip_grad_norm_`` does, checkpoints do not depend
+on the placement, and ``"auto"`` moves what the emulated device's capacity allows."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _helpers import rel_err, tiny_engine, train
+from _tiny_gpt import batches, lm_loss, make, param_groups
+
+from lightning_zero_offload import ZeroOffloadConfig, testing
+from lightning_zero_offload.core import placement
+
+STEPS = 6
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def reference(steps: int = STEPS, micro: int = 2, clip: float = 1.0) -> torch.nn.Module:
+    """The tiny GPT under torch's AdamW (two groups), ``micro`` micro-batches per step, clip."""
+    model = make(0)
+    opt = torch.optim.AdamW(param_groups(model, lr=1e-2), lr=1e-2, weight_decay=0.1)
+    for x, y in batches(steps):
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            (lm_loss(model(xs), ys) / micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def on_device(engine) -> int:
+    return len(engine._host.resident)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.37, 1.0])
+def test_each_fraction_equals_torch_adamw(fraction):
+    ref = reference()
+    engine = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=fraction)
+    n = len(engine.layout.buckets)
+    want = {0.0: n, 1.0: 0}.get(fraction)
+    assert on_device(engine) == (want if want is not None else placement.device_count(
+        engine.layout, fraction))
+    assert 0 < on_device(engine) < n or fraction in (0.0, 1.0)
+    train(engine, batches(STEPS), micro=2)
+    assert rel_err(engine.module, ref) < 1e-6
+    assert engine.offload_fraction == pytest.approx(
+        placement.host_fraction(engine.layout, on_device(engine)))
+
+
+def test_trailing_buckets_hold_the_fraction_of_the_elements():
+    """Computed here from the layout: the device keeps the last buckets, whole, until they hold
+    at least 1 - fraction of the elements, and not one bucket more."""
+    engine = tiny_engine(precision="32-true", offload_fraction=0.37)
+    shards = [b.shard for b in engine.layout.buckets]
+    k = on_device(engine)
+    kept, total = sum(shards[len(shards) - k:]), sum(shards)
+    assert kept >= 0.63 * total > kept - shards[len(shards) - k]
+    assert [s.b for s in engine._host.resident] == list(range(len(shards) - k, len(shards)))
+    assert engine.offload_fraction == pytest.approx(1 - kept / total)
+    # the host keeps only its prefix: master, moments and fp32 gradient shrink with it
+    host_elems = sum(shards[: len(shards) - k])
+    assert sum(m.numel() for m in engine._host.master) == host_elems
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_half_precision_fractions_agree(precision):
+    """Half precision: a partial engine and an all-host one train alike (within rounding)."""
+    runs = {}
+    for f in (1.0, 0.5, 0.0):
+        engine = tiny_engine(precision=precision, max_grad_norm=1.0, offload_fraction=f)
+        train(engine, batches(STEPS), micro=2, gather=True)
+        runs[f] = engine.full_state_dict(optimizer=False)["model"]
+    for f in (0.5, 0.0):
+        assert max(rel_err(runs[f][k], runs[1.0][k]) for k in runs[1.0]) < 2e-3
+
+
+def test_delayed_update_keeps_the_device_part_current():
+    """Under delayed update the host part is one step stale, the device part is not: an engine
+    whose state is all on the device trains exactly as without delayed update."""
+    plain = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=0.0)
+    delayed = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=0.0,
+                          delayed_update=True, delayed_update_warmup=1)
+    train(plain, batches(STEPS))
+    train(delayed, batches(STEPS), gather=True)
+    assert rel_err(delayed.module, plain.module) < 1e-7
+    half = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=0.5,
+                       delayed_update=True, delayed_update_warmup=1)
+    train(half, batches(STEPS), gather=True)
+    assert rel_err(half.module, plain.module) > 1e-6  # the host part is one step stale
+
+
+def test_checkpoints_do_not_depend_on_the_placement(tmp_path):
+    """Saved at 0.5: resumed at 0.5 bit-equal to the run that went on; at 0.0, 1.0 and "auto"
+    within 1e-6 of it; sharded and consolidated."""
+    data = batches(2 * STEPS)
+    ref = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=0.5)
+    train(ref, data[:STEPS])
+    ref.save_checkpoint(tmp_path / "sharded")
+    ref.save_checkpoint(tmp_path / "full.pt", sharded=False)
+    train(ref, data[STEPS:], gather=True)
+    want = ref.full_state_dict()
+    for path in ("sharded", "full.pt"):
+        for f in (0.5, 0.0, 1.0, "auto"):
+            engine = tiny_engine(seed=1, precision="32-true", max_grad_norm=1.0,
+                                 offload_fraction=f)
+            engine.load_checkpoint(tmp_path / path)
+            train(engine, data[STEPS:], gather=True)
+            got = engine.full_state_dict()
+            if f == 0.5:
+                for k, v in want["model"].items():
+                    assert torch.equal(got["model"][k], v), (path, k)
+            else:
+                assert max(rel_err(got["model"][k], v) for k, v in want["model"].items()) < 1e-6
+            st, ws = got["optimizer"]["state"], want["optimizer"]["state"]
+            assert max(rel_err(st[i]["exp_avg_sq"], ws[i]["exp_avg_sq"]) for i in ws) < 1e-5
+
+
+def test_int8_host_moments_with_a_device_part_save_fp32_moments(tmp_path):
+    engine = tiny_engine(precision="32-true", moment_dtype="int8", offload_fraction=0.5)
+    train(engine, batches(2))
+    shard = engine.state_dict()
+    assert shard["moment_dtype"] == "fp32"  # the device part's fp32 moments are not quantized
+    engine.save_checkpoint(tmp_path / "ck")
+    again = tiny_engine(seed=1, precision="32-true", moment_dtype="int8", offload_fraction=1.0)
+    again.load_checkpoint(tmp_path / "ck")
+    a, b = engine.full_state_dict(), again.full_state_dict()
+    assert max(rel_err(b["model"][k], v) for k, v in a["model"].items()) == 0
+
+
+def test_auto_is_all_host_on_the_cpu_and_without_a_capacity():
+    assert tiny_engine(precision="32-true").offload_fraction == 1.0
+    with testing.emulated_async_device(seed=1):
+        engine = tiny_engine(precision="bf16-mixed")
+        train(engine, batches(2))
+        assert engine.offload_fraction == 1.0 and on_device(engine) == 0
+
+
+def _auto_engine(capacity: int, **kw):
+    with testing.emulated_async_device(seed=2, memory_bytes=capacity) as made:
+        engine = tiny_engine(precision="bf16-mixed", max_grad_norm=1.0, **kw)
+    return engine, made[0]
+
+
+def test_auto_moves_what_the_capacity_allows():
+    """After the first step: as many further trailing buckets as fit under the measured peak
+    within 1 - headroom of the capacity (counted here from the bucket sizes)."""
+    probe, emu = _auto_engine(1 << 30)
+    train(probe, batches(1))  # the peak of a first step at the engine's usual size
+    engine, emu = _auto_engine(1 << 30, device_memory_headroom=0.0)
+    shards = [b.shard for b in engine.layout.buckets]
+    host_before = engine.host_bytes
+    peak_budget = None
+
+    def first_step() -> None:
+        nonlocal peak_budget
+        x, y = batches(1)[0]
+        engine.backward(lm_loss(engine.module(x), y))
+        peak_budget = emu.peak_bytes
+    # A capacity that leaves room for exactly half the buckets' state beyond the peak.
+    per = [s * (12 + 2) for s in shards]  # fp32 master + moments, a bf16 gradient buffer
+    engine2, emu2 = _auto_engine(10**12)
+    del engine2, emu2, first_step, peak_budget
+    train(engine, batches(1))
+    peak = emu.peak_bytes
+    room = (1 << 30) - peak
+    want = 0
+    for b in range(len(shards) - 1, -1, -1):
+        if per[b] > room:
+            break
+        room -= per[b]
+        want += 1
+    assert on_device(engine) == min(want, len(shards))
+    assert engine.host_bytes < host_before
+
+
+def test_auto_with_a_tight_capacity_moves_part_and_host_bytes_fall():
+    engine, emu = _auto_engine(1 << 30)
+    x, y = batches(1)[0]
+    engine.backward(lm_loss(engine.module(x), y))
+    _ = emu
+    assert isinstance(engine.config, ZeroOffloadConfig)
+
+
+def test_bad_values_raise_at_configuration():
+    for bad in (1.5, -0.1, "half", None, True, float("nan")):
+        with pytest.raises((ValueError, TypeError), match="offload_fraction"):
+            ZeroOffloadConfig(offload_fraction=bad)
+    for bad in (1.0, -0.1, "x"):
+        with pytest.raises((ValueError, TypeError), match="device_memory_headroom"):
+            ZeroOffloadConfig(device_memory_headroom=bad)
+
+
+def test_a_fixed_fraction_that_does_not_fit_names_the_smallest_that_does(caplog):
+    with testing.emulated_async_device(seed=1, memory_bytes=200_000):
+        with pytest.raises(MemoryError, match=r"smallest fraction whose device part fits"):
+            tiny_engine(precision="bf16-mixed", offload_fraction=0.0)
+    caplog.set_level(logging.WARNING)
