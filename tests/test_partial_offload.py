@@ -6,7 +6,9 @@ on the placement, and ``"auto"`` moves what the emulated device's capacity allow
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 from _helpers import rel_err, tiny_engine, train
@@ -146,50 +148,85 @@ def test_auto_is_all_host_on_the_cpu_and_without_a_capacity():
         assert engine.offload_fraction == 1.0 and on_device(engine) == 0
 
 
-def _auto_engine(capacity: int, **kw):
-    with testing.emulated_async_device(seed=2, memory_bytes=capacity) as made:
-        engine = tiny_engine(precision="bf16-mixed", max_grad_norm=1.0, **kw)
+def _emulated(capacity: int, seed: int = 2, **kw):
+    """A 32-true engine on the emulated device with ``capacity`` bytes, and that device."""
+    with testing.emulated_async_device(seed=seed, memory_bytes=capacity) as made:
+        engine = tiny_engine(precision="32-true", max_grad_norm=1.0, **kw)
     return engine, made[0]
 
 
-def test_auto_moves_what_the_capacity_allows():
-    """After the first step: as many further trailing buckets as fit under the measured peak
-    within 1 - headroom of the capacity (counted here from the bucket sizes)."""
-    probe, emu = _auto_engine(1 << 30)
-    train(probe, batches(1))  # the peak of a first step at the engine's usual size
-    engine, emu = _auto_engine(1 << 30, device_memory_headroom=0.0)
-    shards = [b.shard for b in engine.layout.buckets]
-    host_before = engine.host_bytes
-    peak_budget = None
-
-    def first_step() -> None:
-        nonlocal peak_budget
-        x, y = batches(1)[0]
-        engine.backward(lm_loss(engine.module(x), y))
-        peak_budget = emu.peak_bytes
-    # A capacity that leaves room for exactly half the buckets' state beyond the peak.
-    per = [s * (12 + 2) for s in shards]  # fp32 master + moments, a bf16 gradient buffer
-    engine2, emu2 = _auto_engine(10**12)
-    del engine2, emu2, first_step, peak_budget
-    train(engine, batches(1))
-    peak = emu.peak_bytes
-    room = (1 << 30) - peak
-    want = 0
-    for b in range(len(shards) - 1, -1, -1):
-        if per[b] > room:
-            break
-        room -= per[b]
-        want += 1
-    assert on_device(engine) == min(want, len(shards))
-    assert engine.host_bytes < host_before
+def _first_step_peak() -> int:
+    """The emulated device's peak after one step of the all-host engine (what "auto" reads)."""
+    engine, emu = _emulated(1 << 30, offload_fraction=1.0)
+    train(engine, batches(1), micro=2)
+    return emu.peak_bytes
 
 
-def test_auto_with_a_tight_capacity_moves_part_and_host_bytes_fall():
-    engine, emu = _auto_engine(1 << 30)
-    x, y = batches(1)[0]
-    engine.backward(lm_loss(engine.module(x), y))
-    _ = emu
-    assert isinstance(engine.config, ZeroOffloadConfig)
+def test_auto_moves_what_the_capacity_allows_and_trains_on():
+    """After the first step, as many further trailing buckets as fit under the measured peak
+    within 1 - headroom of the capacity (counted here from the bucket sizes); host bytes fall
+    by the moved buckets' host state; the run still equals torch's AdamW."""
+    peak = _first_step_peak()
+    probe, _ = _emulated(1 << 30, offload_fraction=1.0)
+    shards = [b.shard for b in probe.layout.buckets]
+    per = [s * (12 + 4) for s in shards]  # master + moments, the fp32 gradient (adds in place)
+    headroom, k = 0.2, 3
+    capacity = int((peak + sum(per[-k:]) + per[-k - 1] // 2) / (1 - headroom))
+    engine, _ = _emulated(capacity, device_memory_headroom=headroom)
+    assert engine.offload_fraction == 1.0  # the host holds it all: nothing moves at setup
+    train(engine, batches(STEPS), micro=2)
+    train(probe, batches(STEPS), micro=2)  # all host: its lazy fp32 gradient is counted too
+    assert on_device(engine) == k
+    moved = sum(shards[-k:])
+    assert engine.offload_fraction == pytest.approx(1 - moved / sum(shards))
+    # master 4 + moments 8 + fp32 staging 4 + the fp32 gradient 4 (accumulating) per element
+    # (an emulated device with a capacity has memory of its own, as a GPU: not host bytes)
+    assert probe.host_bytes - engine.host_bytes == 20 * moved
+    assert rel_err(engine.module, reference()) < 1e-6
+
+
+def test_a_failed_auto_move_leaves_the_run_as_it_was(caplog, monkeypatch):
+    engine, emu = _emulated(1 << 30)
+    real, real_free, calls, made, freed = emu.zeros, emu.free, [], [], []
+
+    def zeros(numel, dtype, role):  # the second device-resident allocation fails
+        if role.startswith("device-resident"):
+            calls.append(role)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("emulated: out of memory")
+            made.append(real(numel, dtype, role))
+            return made[-1]
+        return real(numel, dtype, role)
+
+    def free(t):
+        freed.append(t)
+        real_free(t)
+    monkeypatch.setattr(emu, "zeros", zeros)
+    monkeypatch.setattr(emu, "free", free)
+    with caplog.at_level(logging.WARNING):
+        train(engine, batches(STEPS), micro=2)
+    assert calls and "could not move" in caplog.text
+    assert on_device(engine) == 0 and engine.offload_fraction == 1.0
+    assert made and all(any(t is f for f in freed) for t in made)  # what was allocated went
+    probe, _ = _emulated(1 << 30, offload_fraction=1.0)
+    train(probe, batches(STEPS), micro=2)
+    assert engine.host_bytes == probe.host_bytes
+    assert rel_err(engine.module, reference()) < 1e-6
+
+
+def test_auto_at_setup_keeps_on_the_device_what_the_host_cannot_hold(monkeypatch):
+    """A host too small for the all-host run (today's preflight refuses it) starts with the
+    fewest trailing buckets on the device whose host part fits."""
+    probe, _ = _emulated(1 << 30, offload_fraction=1.0)
+    short = probe.host_bytes - 1
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=short))
+    with pytest.raises(MemoryError, match="host memory"):
+        _emulated(1 << 30, offload_fraction=1.0)
+    engine, _ = _emulated(1 << 30, offload_fraction="auto")
+    assert on_device(engine) >= 1 and engine.host_bytes <= short
+    fewer = tiny_engine  # one bucket fewer on the device would not fit: checked by the count
+    del fewer
+    assert engine.offload_fraction < 1.0
 
 
 def test_bad_values_raise_at_configuration():
@@ -201,8 +238,45 @@ def test_bad_values_raise_at_configuration():
             ZeroOffloadConfig(device_memory_headroom=bad)
 
 
-def test_a_fixed_fraction_that_does_not_fit_names_the_smallest_that_does(caplog):
-    with testing.emulated_async_device(seed=1, memory_bytes=200_000):
-        with pytest.raises(MemoryError, match=r"smallest fraction whose device part fits"):
-            tiny_engine(precision="bf16-mixed", offload_fraction=0.0)
-    caplog.set_level(logging.WARNING)
+def test_a_fixed_fraction_that_does_not_fit_names_the_smallest_that_does():
+    """Refused at setup, before the host allocates anything, naming a fraction that fits; that
+    fraction then builds."""
+    with pytest.raises(MemoryError, match=r"smallest fraction whose device part fits") as e:
+        _emulated(200_000, offload_fraction=0.0)
+    fits = float(str(e.value).split("(offload_fraction=")[1].split(")")[0])
+    engine, emu = _emulated(200_000, offload_fraction=fits)
+    assert 0 < on_device(engine) < len(engine.layout.buckets)
+    assert emu.live_bytes <= 200_000
+
+
+def _ranks_fractions(rank: int, world: int) -> dict:
+    """Every fraction on this rank's half of each micro-batch (two ranks, accumulation 2)."""
+    out = {}
+    for f in (0.0, 0.37, 1.0):
+        engine = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=f)
+        data = []
+        for x, y in batches(STEPS):  # micro-batch m of the reference, this rank's half of it
+            per = x.shape[0] // (2 * world)
+            parts = [(x[(2 * m + rank) * per:(2 * m + rank + 1) * per],
+                      y[(2 * m + rank) * per:(2 * m + rank + 1) * per]) for m in range(2)]
+            data.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
+        train(engine, data, micro=2)
+        out[f] = ({n: p.detach().clone() for n, p in engine.module.named_parameters()},
+                  len(engine._host.resident), len(engine.layout.buckets))
+    return out
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_torch_adamw_at_each_fraction():
+    from _dist import run_ranks
+
+    got = run_ranks(_ranks_fractions, 2)
+    ref = reference()
+    want = dict(ref.named_parameters())
+    for r in got:
+        host = r[1.0][0]
+        for f, (params, n, buckets) in r.items():
+            assert n == {0.0: buckets, 1.0: 0}.get(f, n) and (0 < n < buckets or f != 0.37)
+            assert max(rel_err(params[k], host[k]) for k in want) < 1e-6, f
+            # two ranks average two half-batch gradients: torch's full batch rounds otherwise
+            assert max(rel_err(params[k], v) for k, v in want.items()) < 2e-6, f

@@ -116,6 +116,28 @@ def test_dp2_tp2_fp32_equals_torch_adamw():
     assert {r["tp_rank"] for r in out} == {0, 1}
 
 
+def _train_fractions(rank: int, world: int) -> dict:
+    """At (2, 2), fp32: the whole weights after training at offload fractions 0.37 and 0.0."""
+    out = {}
+    for f in (0.37, 0.0):
+        engine = _engine(2, 2, precision="32-true", offload_fraction=f)
+        _steps(engine, 2, range(STEPS))
+        engine.gather_weights()
+        out[f] = (_full(engine.module), len(engine._host.resident), len(engine.layout.buckets))
+        engine.teardown()
+    return out
+
+
+def test_dp2_tp2_partial_offload_equals_torch_adamw():
+    """Part (0.37) or all (0.0) of the optimizer state stepped on the device, under tensor
+    parallelism: as torch's AdamW, within the all-host engine's own bound at (2, 2)."""
+    want = _reference()
+    for r in run_ranks(_train_fractions, 4):
+        for f, (weights, n, buckets) in r.items():
+            assert (0 < n < buckets) if f else n == buckets
+            assert _rel(weights, want) < 5e-5, f
+
+
 @pytest.mark.parametrize("delayed", [False, True])
 def test_dp2_tp2_bf16_equals_four_data_parallel_ranks(delayed):
     # lr 3e-3: at 1e-2 bf16 alone puts either run about 3.5e-3 from the fp32 reference

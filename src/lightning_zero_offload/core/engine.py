@@ -88,7 +88,8 @@ class ZeroOffload:
         trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
         self._part = part = DevicePart(layout, dev, dtype, config, self.rank, self.process_group,
                                        budget_at(layout, module, trained, dtype, **kw,
-                                                 cpu=self.device.type == "cpu"))
+                                                 cpu=self.device.type == "cpu"
+                                                 and dev.memory() is None))
         ranks.start(layout, module, self.process_group, self.device, self.tp, part.choose)
         self.host_budget = part.agree()  # bytes this rank; a lazy fp32 gradient adds its own
         resident = part.stages()  # on the device, then the master: the host's and theirs,

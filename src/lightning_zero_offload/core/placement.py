@@ -61,11 +61,12 @@ def device_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate:
 def check_device_part(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: bool,
                       free: int | None, fraction: float, rank: int) -> None:
     """Setup, before any allocation: the fixed fraction's device part fits in ``free`` bytes
-    (None: the device has no memory of its own); else MemoryError naming the smallest fraction
-    whose device part does fit."""
+    (None: the device has no memory of its own; the caller has taken off what the weights will
+    hold); else MemoryError naming the smallest fraction whose device part does fit."""
     need = device_bytes(layout, on_device, dtype, accumulate)
     if free is None or need <= free:
         return
+    free = max(free, 0)
     fits = next(n for n in range(on_device, -1, -1)
                 if device_bytes(layout, n, dtype, accumulate) <= free)
     raise MemoryError(

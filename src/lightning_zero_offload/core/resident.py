@@ -43,6 +43,8 @@ class DevicePart:
         self.fraction, self.headroom = config.offload_fraction, config.device_memory_headroom
         self.accumulate, self._budget = config.accumulate, budget
         self._check_host = config.check_host_memory
+        self._weight_bytes = (torch.empty((), dtype=dtype).element_size()
+                              * (2 if config.delayed_update else 1))
         self.count = 0
         self._pending_move = self.fraction == "auto" and dev.memory() is not None
 
@@ -62,6 +64,8 @@ class DevicePart:
 
     def _choose(self) -> int:
         free, accumulate = self.dev.free_memory(), self.accumulate is True
+        if free is not None:  # the device weights (two sets under delayed update) come first
+            free -= sum(self.layout.group_numel) * self._weight_bytes
         available = psutil.virtual_memory().available
 
         def host_fits(n: int) -> bool:

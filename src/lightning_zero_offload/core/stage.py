@@ -130,10 +130,16 @@ class DeviceStage:
 
     def __init__(self, dev: SyncDevice, b: int, shard: int, dtype: torch.dtype) -> None:
         self.dev, self.b = dev, b
-        self.master = dev.zeros(shard, torch.float32, "device-resident master weights")
-        self.exp_avg = dev.zeros(shard, torch.float32, "device-resident exp_avg")
-        self.exp_avg_sq = dev.zeros(shard, torch.float32, "device-resident exp_avg_sq")
-        self._grad = dev.zeros(shard, dtype, "device-resident gradient")
+        made: list[Tensor] = []
+        try:  # an allocation that fails frees the ones before it
+            for what, dt in (("master weights", torch.float32), ("exp_avg", torch.float32),
+                             ("exp_avg_sq", torch.float32), ("gradient", dtype)):
+                made.append(dev.zeros(shard, dt, f"device-resident {what}"))
+        except BaseException:
+            for t in made:
+                dev.free(t)
+            raise
+        self.master, self.exp_avg, self.exp_avg_sq, self._grad = made
         self._fp32: Tensor | None = None  # the sum over flushes, where they accumulate
         self._filled: Event | None = None
         self._flushes = 0
