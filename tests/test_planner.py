@@ -161,7 +161,9 @@ def test_bad_inputs_name_the_problem():
     for kwargs, name in [(dict(params=[7e9]), "params"), (dict(world_size=2.0), "world_size"),
                          (dict(bucket_size_mb="25"), "bucket_size_mb"),
                          (dict(host_memory=object()), "host_memory"),
-                         (dict(delayed_update="yes"), "delayed_update")]:
+                         (dict(delayed_update="yes"), "delayed_update"),
+                         (dict(offload_fraction=True), "offload_fraction"),
+                         (dict(device_memory_headroom=[0.1]), "device_memory_headroom")]:
         with pytest.raises(TypeError, match=f"plan: {name}: got "):
             plan(**{"params": 1e9, "measure": False, **kwargs})
     with pytest.raises(FileNotFoundError, match="no config.json"):
@@ -443,6 +445,20 @@ BAD_INPUTS = [
      "--host-reserve", dict(host_memory="64GiB", host_reserve="80GiB")),
     ("reserve-unit", ["--host-memory", "64GiB", "--host-reserve", "ten"], None,
      "--host-reserve", dict(host_memory="64GiB", host_reserve="ten")),
+    ("fraction-over", ["--offload-fraction", "1.5"], None, "--offload-fraction",
+     dict(offload_fraction=1.5)),
+    ("fraction-negative", ["--offload-fraction", "-0.1"], None, "--offload-fraction",
+     dict(offload_fraction=-0.1)),
+    ("fraction-word", ["--offload-fraction", "half"], None, "--offload-fraction",
+     dict(offload_fraction="half")),
+    ("fraction-nan", ["--offload-fraction", "nan"], None, "--offload-fraction",
+     dict(offload_fraction=float("nan"))),
+    ("fraction-cpu", ["--device", "cpu", "--offload-fraction", "0.5"], None,
+     "--offload-fraction", dict(device="cpu", offload_fraction=0.5)),
+    ("headroom-one", ["--device-memory-headroom", "1"], None, "--device-memory-headroom",
+     dict(device_memory_headroom=1.0)),
+    ("headroom-word", ["--device-memory-headroom", "lots"], None, "--device-memory-headroom",
+     dict(device_memory_headroom="lots")),
     ("config-not-json", [], {"config.json": "{not json"}, "config.json", {}),
     ("config-a-list", [], {"config.json": "[1, 2]"}, "config.json", {}),
     ("config-bad-shape", [], {"config.json": json.dumps({"hidden_size": "64"})}, "config.json",

@@ -29,12 +29,13 @@ def _activation_fixes(p: Any) -> str:
 def _split(p: Any) -> list[str]:
     """The offload fraction: asked or resolved, what stays on the device, "auto"'s next move."""
     f, within = p.offload_fraction, f"{1 - p.device_memory_headroom:.0%}"
-    on_device = (f"{1 - f:.1%} of the optimizer state on the device "
+    on_device = ("all of the optimizer state on the host" if f == 1.0 else
+                 f"{1 - f:.1%} of the optimizer state on the device "
                  f"({_size(p.device_optimizer_bytes)}: the buckets of the first layers)")
     if p.offload_fraction_setting != "auto":
         return [f"offload fraction: {f:.3f} (--offload-fraction "
                 f"{p.offload_fraction_setting:g}): {on_device}"]
-    how = ("the host holds all of it" if f == 1.0 else "the host holds what fits; "
+    how = (on_device if f == 1.0 else "the host holds what fits; "
            f"{on_device}, within {within} of its memory: --device-memory-headroom")
     lines = [f"offload fraction: {f:.3f} (auto: {how})"]
     after = p.offload_fraction_after_first_step
