@@ -178,8 +178,9 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     ``ZeroOffloadConfig``'s: the share of the optimizer state on the host (the rest, whole
     buckets, on the device; ``split``), and for ``"auto"`` the share of the device left free: it
     resolves to the largest fraction whose host part fits the host and whose device part fits
-    within ``1 - device_memory_headroom`` of the device. When it does not fit, ``short`` names the memory that is short and ``suggestions`` the changes that
-    fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
+    within ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all). When
+    it does not fit, ``short`` names the memory that is short and ``suggestions`` the changes
+    that fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
     type) naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
