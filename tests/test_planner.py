@@ -161,7 +161,9 @@ def test_bad_inputs_name_the_problem():
     for kwargs, name in [(dict(params=[7e9]), "params"), (dict(world_size=2.0), "world_size"),
                          (dict(bucket_size_mb="25"), "bucket_size_mb"),
                          (dict(host_memory=object()), "host_memory"),
-                         (dict(delayed_update="yes"), "delayed_update")]:
+                         (dict(delayed_update="yes"), "delayed_update"),
+                         (dict(offload_fraction=True), "offload_fraction"),
+                         (dict(device_memory_headroom=[0.1]), "device_memory_headroom")]:
         with pytest.raises(TypeError, match=f"plan: {name}: got "):
             plan(**{"params": 1e9, "measure": False, **kwargs})
     with pytest.raises(FileNotFoundError, match="no config.json"):
@@ -394,13 +396,14 @@ def test_accumulate_figure_once_and_follows_plan_counts(capsys):
 def test_13b_fits_one_h200_host_at_the_floor() -> None:
     """Issue 19: with the host at the floor a 128 GiB host trains 13B (bf16 moments) on one
     GPU, 16B with int8 moments, 9B with fp32 ones; accumulating adds the fp32 gradient. That
-    leaves 6.3 GiB for everything else: with the default 10% reserve 13B needs int8 moments."""
+    leaves 6.3 GiB for everything else: with the default 10% reserve 13B needs int8 moments.
+    All of the optimizer state on the host (``offload_fraction=1.0``; "auto" is below)."""
     default = plan(13e9, moment_dtype="bf16", precision="bf16-mixed", device_memory="141GiB",
-                   host_memory="128GiB", measure=False)
+                   host_memory="128GiB", measure=False, offload_fraction=1.0)
     assert default.fits is False and default.host_fits is False
     assert "--moment-dtype int8" in {s["change"] for s in default.suggestions}
     kw = dict(precision="bf16-mixed", device_memory="141GiB", host_memory="128GiB",
-              host_reserve=0, measure=False)
+              host_reserve=0, measure=False, offload_fraction=1.0)
     assert plan(13e9, moment_dtype="bf16", **kw).fits
     assert plan(13e9, moment_dtype="int8", **kw).max_params_that_fit >= 16e9
     assert plan(13e9, moment_dtype="fp32", **kw).max_params_that_fit >= 9e9
@@ -442,6 +445,20 @@ BAD_INPUTS = [
      "--host-reserve", dict(host_memory="64GiB", host_reserve="80GiB")),
     ("reserve-unit", ["--host-memory", "64GiB", "--host-reserve", "ten"], None,
      "--host-reserve", dict(host_memory="64GiB", host_reserve="ten")),
+    ("fraction-over", ["--offload-fraction", "1.5"], None, "--offload-fraction",
+     dict(offload_fraction=1.5)),
+    ("fraction-negative", ["--offload-fraction", "-0.1"], None, "--offload-fraction",
+     dict(offload_fraction=-0.1)),
+    ("fraction-word", ["--offload-fraction", "half"], None, "--offload-fraction",
+     dict(offload_fraction="half")),
+    ("fraction-nan", ["--offload-fraction", "nan"], None, "--offload-fraction",
+     dict(offload_fraction=float("nan"))),
+    ("fraction-cpu", ["--device", "cpu", "--offload-fraction", "0.5"], None,
+     "--offload-fraction", dict(device="cpu", offload_fraction=0.5)),
+    ("headroom-one", ["--device-memory-headroom", "1"], None, "--device-memory-headroom",
+     dict(device_memory_headroom=1.0)),
+    ("headroom-word", ["--device-memory-headroom", "lots"], None, "--device-memory-headroom",
+     dict(device_memory_headroom="lots")),
     ("config-not-json", [], {"config.json": "{not json"}, "config.json", {}),
     ("config-a-list", [], {"config.json": "[1, 2]"}, "config.json", {}),
     ("config-bad-shape", [], {"config.json": json.dumps({"hidden_size": "64"})}, "config.json",
@@ -530,17 +547,19 @@ def test_params_alone_says_activations_are_left_out(capsys):
 
 def test_host_reserve_applies_to_fits_and_the_largest_model(capsys):
     """Issue 29 item 9: a run that takes 99% of the host does not "fit": 10% of it (default,
-    ``--host-reserve``) is kept for the OS, Python and data loaders, in the fit and the search."""
-    need = plan(7e9, measure=False).host_bytes_per_node
+    ``--host-reserve``) is kept for the OS, Python and data loaders, in the fit and the search.
+    All of the optimizer state on the host (``offload_fraction=1.0``)."""
+    kw = dict(measure=False, offload_fraction=1.0)
+    need = plan(7e9, **kw).host_bytes_per_node
     host = int(need / 0.99)
-    tight = plan(7e9, device_memory="24GiB", host_memory=host, measure=False)
+    tight = plan(7e9, device_memory="24GiB", host_memory=host, **kw)
     assert tight.host_reserve == int(0.1 * host) and tight.fits is False
     assert tight.short == [{"resource": "host", "needed": need,
                             "available": host - int(0.1 * host)}]
-    assert plan(7e9, device_memory="24GiB", host_memory=host, host_reserve=0, measure=False).fits
+    assert plan(7e9, device_memory="24GiB", host_memory=host, host_reserve=0, **kw).fits
     largest = tight.max_params_that_fit
-    assert plan(largest, device_memory="24GiB", host_memory=host, measure=False).fits
-    assert plan(largest, measure=False).host_bytes_per_node <= host - tight.host_reserve
+    assert plan(largest, device_memory="24GiB", host_memory=host, **kw).fits
+    assert plan(largest, **kw).host_bytes_per_node <= host - tight.host_reserve
     assert main(["--params", "7e9", "--device-memory", "24GiB", "--host-memory", "128GiB",
                  "--host-reserve", "8GiB", "--no-measure", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["host_reserve"] == 8 * 2**30

@@ -6,8 +6,9 @@ whether it fits, the largest model that would, and predicts the CPU step's time 
 measurement of the fused AdamW kernel on this host. When it does not fit it names the memory
 that is short and the changes that fit (``advice``), each re-planned here. Modules: ``inputs``
 (reading and checking the arguments), ``model`` (a model folder's count and shape, the activation
-estimate), ``figures`` (``plan``: the bytes, the fit, the largest model), ``advice`` (what to
-change), ``report`` (the text), ``cli`` (``lzo-plan``).
+estimate), ``figures`` (``plan``: the bytes, the fit, the largest model), ``split`` (which buckets'
+state stays on the device), ``advice`` (what to change), ``report`` (the text), ``cli``
+(``lzo-plan``).
 
 ``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
 ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
@@ -41,6 +42,16 @@ device (CUDA)
     and one layer at a time is recomputed in full:
     ``L s b H h + s b H (34 + 5 a s / H) + s b V (h + 4)``. Not counted: the CUDA context
     (~0.5 GiB), allocator fragmentation, torch's workspace.
+
+partial offload (``offload_fraction``, ``split``)
+    the last buckets in reduction order (the model's first layers) keep their state on the
+    device, whole, until it holds ``1 - offload_fraction`` of this rank's trained elements
+    ``S_d``: the device adds ``(4 + 8 + h) S_d`` (fp32 master and moments, a gradient in the
+    compute dtype; ``+ 4 S_d`` accumulating), the host counts the rest of the buckets only.
+    ``"auto"`` resolves to the largest fraction whose host part fits the host and whose device
+    part fits ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all;
+    explicit fractions are checked against the whole device); the largest model takes, with
+    ``"auto"``, any fraction.
 
 host memory
     ``host_memory`` less ``host_reserve`` (default 10% of it) kept for the OS, Python and data

@@ -5,7 +5,8 @@ that would make it fit. Every change listed here was re-planned with the planner
 (the ``evaluate`` callable ``plan`` passes in) and fits as a whole; its figures are that plan's.
 
 Device and host bytes depend on different settings (the device on the weights and the
-activations; the host on ``moment_dtype`` and the ranks; delayed update on both), so when both
+activations; the host on ``moment_dtype`` and the ranks; delayed update and an explicit offload
+fraction on both: the fraction ``"auto"`` would take is offered first), so when both
 are short a fitting change is one device-side change plus one host-side change (pairs are tried
 only when no single change fits). When the weights fit the device and the activations do not,
 the device-side changes are what reduce activations: activation checkpointing, memory-efficient
@@ -76,6 +77,19 @@ def _largest(key: str, base: dict[str, Any], s: dict[str, Any],
     return lo
 
 
+def _fraction(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
+    """The offload fraction ``"auto"`` resolves to (both memories fit, the device within its
+    headroom), as a number of at most three decimals that re-plans to a fit; None if none."""
+    q = evaluate({"offload_fraction": "auto"})
+    if not q.fits:
+        return None
+    for digits in (2, 3):  # rounded down: a little more on the device, never on the host
+        f = math.floor(q.offload_fraction * 10**digits) / 10**digits
+        if f != s["offload_fraction"] and evaluate({"offload_fraction": f}).fits:
+            return {"offload_fraction": f}
+    return None
+
+
 def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any]]:
     """Changes that reduce the activations until the device fits: checkpointing and
     memory-efficient attention (alone, then together), each at the given batch or else the
@@ -108,7 +122,9 @@ def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str,
 def _flags(o: dict[str, Any]) -> str:
     parts = []
     for key, value in o.items():
-        if key == "moment_dtype":
+        if key == "offload_fraction":
+            parts.append(f"--offload-fraction {value:g}")
+        elif key == "moment_dtype":
             parts.append(f"--moment-dtype {value}")
         elif key == "world_size":
             parts.append(f"--world-size {value} --ranks-per-node {o['ranks_per_node']}")
@@ -134,6 +150,8 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
     device_side: list[dict[str, Any]] = []
     host_side: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
+    fraction = [f] if cuda and s["offload_fraction"] != "auto" and (
+        f := _fraction(s, evaluate)) else []  # listed first: it keeps every other setting
     if s["delayed_update"]:
         both.append({"delayed_update": False})
     host_side += [{"moment_dtype": m} for m in ("bf16", "int8") if m != s["moment_dtype"]]
@@ -143,14 +161,14 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
         p.device_bytes - p.activation_bytes <= p.device_memory)
     if cuda and p.activation_bytes and p.device_fits is False and weights_fit:
         device_side += _activation_changes(s, evaluate)
-    plans = {id(o): evaluate(o) for o in device_side + host_side + both}
+    plans = {id(o): evaluate(o) for o in fraction + device_side + host_side + both}
     fixes_device = [o for o in device_side + both if plans[id(o)].device_fits]
     if cuda and p.device_fits is False and not weights_fit:  # the weights alone: a larger GPU
         o = {"device_memory": math.ceil(p.device_bytes / GiB) * GiB}
         plans[id(o)] = evaluate(o)
         device_side.append(o)
         fixes_device.append(o)
-    out = [_entry(_flags(o), plans[id(o)]) for o in device_side + host_side + both
+    out = [_entry(_flags(o), plans[id(o)]) for o in fraction + device_side + host_side + both
            if plans[id(o)].fits]
     if not out:  # both memories short (or delayed update and the host): one change of each
         for d in fixes_device:

@@ -9,6 +9,15 @@ import json
 from lightning_zero_offload.planner.figures import _ELEM, DEFAULT_HOST_RESERVE, MOMENT_DTYPES, plan
 from lightning_zero_offload.planner.inputs import PlanArgumentError
 from lightning_zero_offload.planner.model import ATTENTION
+from lightning_zero_offload.planner.split import AUTO, DEFAULT_HEADROOM
+
+
+def _number_or_text(value: str) -> float | str:
+    """A number where the text reads as one; ``plan`` refuses the rest, naming the option."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="the run accumulates gradients (accumulate_grad_batches > 1)")
     p.add_argument("--moment-dtype", default="fp32", choices=list(MOMENT_DTYPES),
                    help="how the host keeps the Adam moments (ZeroOffloadConfig.moment_dtype)")
+    p.add_argument("--offload-fraction", default=AUTO, type=_number_or_text,
+                   help="share of the optimizer state on the host, the rest (whole buckets, the "
+                   "first layers) on the device: a number in [0, 1] or auto, the largest share "
+                   "the host holds with the device within its headroom (default: %(default)s; "
+                   "ZeroOffloadConfig.offload_fraction)")
+    p.add_argument("--device-memory-headroom", default=DEFAULT_HEADROOM, type=_number_or_text,
+                   help="share of the device's memory auto leaves free (default: %(default)s)")
     p.add_argument("--frozen-params", default="0", help="parameters that do not train")
     p.add_argument("--no-measure", action="store_true", help="skip the 0.2 s kernel timing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -62,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                       frozen_params=a.frozen_params, measure=not a.no_measure,
                       moment_dtype=a.moment_dtype, attention=a.attention,
                       activation_checkpointing=a.activation_checkpointing,
-                      accumulate=a.accumulate)
+                      accumulate=a.accumulate, offload_fraction=a.offload_fraction,
+                      device_memory_headroom=a.device_memory_headroom)
     except PlanArgumentError as e:
         p.error(f"argument {e.option}: {e.problem}")
     except (ValueError, OSError, ImportError) as e:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.planner import inputs
+from lightning_zero_offload.planner import inputs, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
 
@@ -55,6 +55,11 @@ class Plan:
     suggestions: list[dict[str, Any]] = field(default_factory=list)  # advice.suggest
     host_reserve: int = 0  # of host_memory, kept for the OS, Python and data loaders
     attention: str = "eager"  # what the activation estimate assumes
+    offload_fraction: float = 1.0  # resolved: host elements / all trained elements (split)
+    offload_fraction_setting: float | str = split.AUTO  # what was asked
+    device_memory_headroom: float = split.DEFAULT_HEADROOM
+    device_optimizer_bytes: int = 0  # device-resident optimizer state and gradients
+    offload_fraction_after_first_step: float | None = None  # "auto" once the peak is measured
 
     @property
     def host_usable(self) -> int | None:
@@ -70,26 +75,36 @@ class Plan:
         return render(self)
 
 
+def _buckets(trained: int, precision: str, world_size: int, bucket_bytes: int,
+             moment_dtype: str) -> list[int]:
+    """The buckets' elements in reduction order, padded as ``core.layout`` pads them."""
+    from lightning_zero_offload.core.layout import shard_align
+
+    h = _ELEM[precision]
+    unit = shard_align(moment_dtype) * world_size
+    bucket = max(unit, bucket_bytes // h // unit * unit)
+    full, rest = divmod(trained, bucket)
+    rest = -(-rest // unit) * unit
+    return [bucket] * full + ([rest] if rest else [])
+
+
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
             bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str = "fp32",
-            accumulate: bool = False) -> tuple[dict, dict]:
-    """(device breakdown, host breakdown) for these counts. The host side is the engine's own
-    sizing (``core.host.plan_counts`` and ``budget``) over buckets of ``bucket_bytes``, for a
+            accumulate: bool = False, on_device: int = 0) -> tuple[dict, dict]:
+    """(device breakdown, host breakdown) for these counts, the last ``on_device`` buckets'
+    optimizer state on the device (``split``). The host side is the engine's own sizing
+    (``core.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``, for a
     run that accumulates gradients or not."""
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.host import budget, plan_counts
-    from lightning_zero_offload.core.layout import shard_align
     from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 
     dtype, h = PRECISIONS[precision], _ELEM[precision]
     half, cpu = h != 4, device == "cpu"
-    unit = shard_align(moment_dtype) * world_size  # buckets pad to this (as core.layout's)
-    bucket = max(unit, bucket_bytes // h // unit * unit)
-    full, rest = divmod(trained, bucket)
-    rest = -(-rest // unit) * unit
-    buckets = [bucket] * full + ([rest] if rest else [])
+    buckets = _buckets(trained, precision, world_size, bucket_bytes, moment_dtype)
     shards = [b // world_size for b in buckets]
-    sizes = plan_counts([sum(shards)], shards, dtype, asynchronous=not cpu, delayed=delayed,
+    hosted = shards[: len(shards) - on_device]
+    sizes = plan_counts([sum(hosted)], hosted, dtype, asynchronous=not cpu, delayed=delayed,
                         pinned=not cpu,
                         moment_dtype=moment_dtype, accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
@@ -102,6 +117,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             dev["delayed: spare weights"] = h * trained
         dev[f"gradient buckets ({MAX_IN_FLIGHT + 1})"] = (MAX_IN_FLIGHT + 1) * min(
             bucket_bytes, h * trained)
+        dev.update(split.device_state(sum(shards) - sum(hosted), h, accumulate))
         if activations:
             dev["activations (estimate)"] = activations
     return dev, {k: v for k, v in host.items() if v}
@@ -146,7 +162,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          frozen_params: int | float | str = 0, measure: bool = True,
          cpu_threads: int | None = None, moment_dtype: str = "fp32",
          activation_checkpointing: bool = False, attention: str = "eager",
-         accumulate: bool = False) -> Plan:
+         accumulate: bool = False, offload_fraction: float | str = split.AUTO,
+         device_memory_headroom: float = split.DEFAULT_HEADROOM) -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
     the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
@@ -156,9 +173,14 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     ``activation_checkpointing``: the model recomputes each layer in backward. ``attention``:
     what the activation estimate assumes, ``"eager"`` (the ``seq x seq`` scores are kept) or
     ``"memory-efficient"`` (SDPA/flash kernels keep none). ``accumulate``: the run accumulates
-    gradients over several backward passes, so its host figure is the accumulating one. When it
-    does not fit, ``short`` names the memory that is short and ``suggestions`` the changes that
-    fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
+    gradients over several backward passes, so its host figure is the accumulating one.
+    ``offload_fraction`` (a number in [0, 1] or ``"auto"``) and ``device_memory_headroom`` are
+    ``ZeroOffloadConfig``'s: the share of the optimizer state on the host (the rest, whole
+    buckets, on the device; ``split``), and for ``"auto"`` the share of the device left free: it
+    resolves to the largest fraction whose host part fits the host and whose device part fits
+    within ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all). When
+    it does not fit, ``short`` names the memory that is short and ``suggestions`` the changes
+    that fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
     type) naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
@@ -176,6 +198,12 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
                                        f"world size ({world_size}): a node holds at most all "
                                        "the ranks")
     bucket_mb = inputs.positive_number(bucket_size_mb, "bucket_size_mb")
+    fraction = inputs.fraction(offload_fraction, "offload_fraction", split.AUTO)
+    headroom = inputs.fraction(device_memory_headroom, "device_memory_headroom", below_one=True)
+    if device == "cpu" and fraction not in (split.AUTO, 1.0):
+        raise inputs.PlanArgumentError("offload_fraction", f"{offload_fraction!r} with the CPU "
+                                       "as the compute device: its \"device\" is host memory "
+                                       "already; use 1.0 or \"auto\"")
     for name, val in (("delayed_update", delayed_update), ("measure", measure),
                       ("activation_checkpointing", activation_checkpointing),
                       ("accumulate", accumulate)):
@@ -197,7 +225,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
               batch_size=batch_size, seq_len=seq_len, bucket=int(bucket_mb * 2**20),
               delayed_update=delayed_update, moment_dtype=moment_dtype,
               activation_checkpointing=activation_checkpointing, attention=attention,
-              accumulate=accumulate)
+              accumulate=accumulate, offload_fraction=fraction, headroom=headroom)
     result = _evaluate(st, search=True)
     if device == "cpu":
         result.notes.append("activations are not counted (with the CPU as the device they take "
@@ -227,41 +255,84 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
 
 def _evaluate(st: dict[str, Any], search: bool) -> Plan:
     """The plan for settings ``st`` (``plan``'s, resolved), and with ``search`` the largest model
-    that fits with the same settings and the same activation estimate."""
+    that fits with the same settings (with ``"auto"``: at any fraction) and the same activation
+    estimate."""
     total, frozen, device = st["total"], st["frozen"], st["device"]
     dev_mem, host_mem = st["device_memory"], st["host_memory"]
     usable = None if host_mem is None else host_mem - st["host_reserve"]
     ranks = st["ranks_per_node"] or st["world_size"]
+    auto = st["offload_fraction"] == split.AUTO
     acts = activation_bytes(st["info"], st["batch_size"], st["seq_len"], st["precision"],
                             st["activation_checkpointing"], st["attention"])
 
-    def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int) -> tuple[dict, dict]:
+    def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int,
+              k: int) -> tuple[dict, dict]:
         return _counts(n_trained, n_frozen, st["precision"], st["world_size"], device,
-                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate)
+                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate, k)
 
-    def fit(d: int, hb: int) -> tuple[bool | None, bool | None]:
+    def fit(d: int, hb: int, k: int) -> tuple[bool | None, bool | None]:
+        # "auto" puts state on the device only within the headroom
+        limit = None if dev_mem is None else (
+            dev_mem * (1 - st["headroom"]) if auto and k else dev_mem)
         dfit = (True if usable is not None else None) if device == "cpu" else (
-            None if dev_mem is None else d <= dev_mem)
+            None if limit is None else d <= limit)
         return dfit, None if usable is None else hb * ranks <= usable
 
-    dev, host = sizes(total - frozen, frozen, st["accumulate"], acts)
+    def shards(n_trained: int) -> list[int]:
+        return [b // st["world_size"] for b in _buckets(
+            n_trained, st["precision"], st["world_size"], st["bucket"], st["moment_dtype"])]
+
+    def on_device(n_trained: int, n_frozen: int, a: int) -> int | None:
+        """Buckets kept on the device; None when no "auto" split fits both memories."""
+        if device == "cpu":
+            return 0
+        if not auto:
+            return split.device_buckets(shards(n_trained), st["offload_fraction"])
+
+        def fits(k: int) -> tuple[bool | None, bool | None]:
+            d, hb = sizes(n_trained, n_frozen, st["accumulate"], a, k)
+            return fit(sum(d.values()), sum(hb.values()), k)
+
+        return split.resolve_auto(len(shards(n_trained)), lambda k: fits(k)[1] is not False,
+                                  lambda k: fits(k)[0] is not False)
+
+    k = on_device(total - frozen, frozen, acts)
+    k = 0 if k is None else k  # nothing fits: the figures with all state on the host
+    dev, host = sizes(total - frozen, frozen, st["accumulate"], acts, k)
     dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
     host_acc = host_bytes if st["accumulate"] else sum(
-        sizes(total - frozen, frozen, True, acts)[1].values())
-    device_fits, host_fits = fit(dev_bytes, host_bytes)
+        sizes(total - frozen, frozen, True, acts, k)[1].values())
+    device_fits, host_fits = fit(dev_bytes, host_bytes, k)
     fits = None if None in (device_fits, host_fits) else bool(device_fits and host_fits)
     notes = []
-    if fits and usable is not None and not st["accumulate"] and host_acc * ranks > usable:
-        notes.append(f"with --accumulate (an fp32 host gradient) it would not fit: "
-                     f"{format_bytes(host_acc * ranks)} per node")
+    if fits and usable is not None and not st["accumulate"]:
+        if not auto and host_acc * ranks > usable:
+            notes.append(f"with --accumulate (an fp32 host gradient) it would not fit: "
+                         f"{format_bytes(host_acc * ranks)} per node")
+        elif auto and not _evaluate({**st, "accumulate": True}, search=False).fits:
+            notes.append("with --accumulate (an fp32 gradient per trained element) no offload "
+                         "fraction fits both memories")
+    own = shards(total - frozen)
+    after = None
+    if auto and fits and dev_mem is not None and device == "cuda":  # once the peak is known
+        limit = dev_mem * (1 - st["headroom"])
+
+        def within(j: int) -> bool:
+            return sum(sizes(total - frozen, frozen, st["accumulate"], acts, j)[0].values()) \
+                <= limit
+
+        after = split.host_fraction(own, split.most_on_device(k, len(own), within))
     largest = blocked = None
     if search and fits is not None:  # bytes grow with the model: bisect on the total
         share = frozen / total  # (same frozen share; batch, sequence and activations held)
 
         def ok(n: int, a: int = acts) -> bool:
             nf = int(n * share)
-            d, hb = sizes(n - nf, nf, st["accumulate"], a)
-            return all(fit(sum(d.values()), sum(hb.values())))
+            j = on_device(n - nf, nf, a)
+            if j is None:
+                return False
+            d, hb = sizes(n - nf, nf, st["accumulate"], a, j)
+            return all(fit(sum(d.values()), sum(hb.values()), j))
 
         lo, hi = 0, 1
         while ok(hi):
@@ -275,10 +346,15 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         largest = lo
         if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
             largest, blocked = None, "activations"
+    optimizer = sum(dev.get(key, 0) for key in split.device_state(1, 1, False))
     return Plan(total, total - frozen, st["precision"], st["world_size"], device, dev_bytes,
                 dev, host_bytes, host, host_acc, host_bytes * ranks, dev_mem, host_mem, fits,
                 device_fits, host_fits, largest, None, None, None, notes,
                 batch_size=st["batch_size"], seq_len=st["seq_len"], activation_bytes=acts,
                 activation_checkpointing=st["activation_checkpointing"],
                 accumulate=st["accumulate"], max_params_blocked_by=blocked,
-                host_reserve=st["host_reserve"], attention=st["attention"])
+                host_reserve=st["host_reserve"], attention=st["attention"],
+                offload_fraction=split.host_fraction(own, k),
+                offload_fraction_setting=st["offload_fraction"],
+                device_memory_headroom=st["headroom"], device_optimizer_bytes=optimizer,
+                offload_fraction_after_first_step=after)

@@ -114,6 +114,23 @@ def positive_number(value: Any, argument: str) -> float:
     return float(value)
 
 
+def fraction(value: Any, argument: str, auto: str | None = None,
+             below_one: bool = False) -> Any:
+    """A number in [0, 1] (``[0, 1)`` with ``below_one``), or the string ``auto`` where given."""
+    if auto is not None and value == auto:
+        return auto
+    want = ("a number in [0, 1)" if below_one else "a number in [0, 1]") + (
+        f" or {auto!r}" if auto is not None else "")
+    if isinstance(value, str):  # the right type for "auto": a bad value, not a bad type
+        raise PlanArgumentError(argument, f"cannot read {value!r}: give {want}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanArgumentTypeError(argument, f"got {type(value).__name__} {value!r}; give "
+                                    f"{want}")
+    if not (0.0 <= value < 1.0 if below_one else 0.0 <= value <= 1.0):
+        raise PlanArgumentError(argument, f"{value!r} is not {want}")
+    return float(value)
+
+
 def choice(value: Any, argument: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise PlanArgumentError(argument, f"{value!r} is not supported; use one of "

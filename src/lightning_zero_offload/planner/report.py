@@ -26,6 +26,27 @@ def _activation_fixes(p: Any) -> str:
     return ", ".join(fixes) + (" or " if fixes else "") + "a smaller --batch-size / --seq-len"
 
 
+def _split(p: Any) -> list[str]:
+    """The offload fraction: asked or resolved, what stays on the device, "auto"'s next move."""
+    f, within = p.offload_fraction, f"{1 - p.device_memory_headroom:.0%}"
+    on_device = ("all of the optimizer state on the host" if f == 1.0 else
+                 f"{1 - f:.1%} of the optimizer state on the device "
+                 f"({_size(p.device_optimizer_bytes)}: the buckets of the first layers)")
+    if p.offload_fraction_setting != "auto":
+        return [f"offload fraction: {f:.3f} (--offload-fraction "
+                f"{p.offload_fraction_setting:g}): {on_device}"]
+    how = (on_device if f == 1.0 else "the host holds what fits; "
+           f"{on_device}, within {within} of its memory: --device-memory-headroom")
+    lines = [f"offload fraction: {f:.3f} (auto: {how})"]
+    after = p.offload_fraction_after_first_step
+    if after is not None and after < f:
+        lines.append(f"  after the first step \"auto\" moves more onto the device while it "
+                     f"stays within {within} of its memory: about {after:.3f}" +
+                     ("" if p.activation_bytes else
+                      " (activations not counted here: the first step's measured peak decides)"))
+    return lines
+
+
 def render(p: Any) -> str:
     """The planner's text report of plan ``p``."""
     yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
@@ -49,6 +70,8 @@ def render(p: Any) -> str:
                   f" ({_size(p.host_memory)} less a {_size(p.host_reserve)} reserve for the "
                   "OS, Python and data loaders: --host-reserve)"))
     lines += [f"  {k:<26} {_size(v)}" for k, v in p.host_breakdown.items()]
+    if p.device == "cuda":
+        lines += _split(p)
     lines.append(f"fits: {yes[p.fits]}")
     lines += [f"  {s['resource']} memory is short: {_size(s['needed'])} needed"
               f"{' per node' if s['resource'] == 'host' else ''}, {_size(s['available'])} "
@@ -56,8 +79,9 @@ def render(p: Any) -> str:
               for s in p.short]
     if p.fits is False:
         lines.append("changes that fit:" if p.suggestions else
-                     "changes that fit: none among moment dtype, ranks, activation "
-                     "checkpointing, attention, delayed update, batch size, sequence length")
+                     "changes that fit: none among offload fraction, moment dtype, ranks, "
+                     "activation checkpointing, attention, delayed update, batch size, "
+                     "sequence length")
         lines += [f"  {e['change']}: device {_size(e['device_bytes'])}, "
                   f"host {_size(e['host_bytes'])} per node" for e in p.suggestions]
     if p.max_params_blocked_by == "activations":

@@ -1,0 +1,73 @@
+"""The offload split of partial offload (``ZeroOffloadConfig.offload_fraction``): which buckets'
+optimizer state stays on the device, and what a device-resident element costs there.
+
+The trained state per rank is its shard of every bucket, buckets in reduction order. The
+trailing buckets (whose gradients arrive last in backward: the model's first layers) stay on the
+device, whole, until the device holds at least ``1 - offload_fraction`` of the trained elements;
+the fraction reported is the host's elements over all of them. A device-resident element costs
+the device its fp32 master (4 B), fp32 ``exp_avg`` and ``exp_avg_sq`` (8 B; ``moment_dtype``
+is the host's only), a gradient in the compute dtype (``h`` B) and, when the run accumulates, an
+fp32 gradient (4 B); it costs the host nothing. ``"auto"`` keeps on the device only what the
+host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
+within ``1 - device_memory_headroom`` of its memory (``most_on_device``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+AUTO = "auto"
+DEFAULT_HEADROOM = 0.2
+_TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
+
+
+def device_state(numel: int, h: int, accumulate: bool) -> dict[str, int]:
+    """Device bytes of ``numel`` device-resident elements of this rank's shard."""
+    if not numel:
+        return {}
+    return {"optimizer state (device)": 12 * numel,
+            "gradients (device)": (h + (4 if accumulate else 0)) * numel}
+
+
+def host_fraction(shards: list[int], k: int) -> float:
+    """The share of the trained elements on the host when the last ``k`` buckets stay on the
+    device."""
+    total = sum(shards)
+    return 1.0 if total == 0 else sum(shards[: len(shards) - k]) / total
+
+
+def device_buckets(shards: list[int], fraction: float) -> int:
+    """How many trailing buckets stay on the device for ``offload_fraction=fraction``: the
+    fewest whose elements reach ``1 - fraction`` of the total."""
+    total = sum(shards)
+    need = (1.0 - fraction) * total - _TOLERANCE * total
+    k = held = 0
+    while held < need and k < len(shards):
+        held += shards[len(shards) - 1 - k]
+        k += 1
+    return k
+
+
+def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The smallest ``k`` in ``[lo, hi]`` with ``ok(k)`` (``ok`` monotone), None if none."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
+def resolve_auto(n_buckets: int, host_fits: Callable[[int], bool],
+                 device_fits: Callable[[int], bool]) -> int | None:
+    """``"auto"`` at setup: the fewest device buckets whose host part fits the host, if their
+    device part fits the device (``device_fits`` applies the headroom); None when none does."""
+    k = _first(0, n_buckets, host_fits)
+    return k if k is not None and device_fits(k) else None
+
+
+def most_on_device(k: int, n_buckets: int, device_fits: Callable[[int], bool]) -> int:
+    """``"auto"`` after the first step: the most device buckets, from ``k`` on, that keep the
+    device within its headroom (``k`` itself when none more does)."""
+    over = _first(k + 1, n_buckets, lambda j: not device_fits(j)) if k < n_buckets else None
+    return n_buckets if over is None else max(k, over - 1)
