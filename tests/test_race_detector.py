@@ -52,6 +52,22 @@ def test_each_skipped_wait_kind_is_caught(kind: str) -> None:
         _loop({kind})
 
 
+def test_skipping_the_device_parts_wait_for_its_gradient_is_caught() -> None:
+    """Partial offload: the device part's step reads the gradient the d2h stream wrote into its
+    stage; without ``device_stage_filled`` the compute stream reads it unordered."""
+    with emulated_async_device(seed=1, skip_waits={"device_stage_filled"}):
+        engine = tiny_engine(precision="bf16-mixed", offload_fraction=0.0)
+        try:
+            with pytest.raises(StreamOrderError, match=r"device-resident gradient on the "
+                                                       r"compute stream.*d2h stream"):
+                train(engine, batches(3))
+        finally:
+            with contextlib.suppress(Exception):
+                engine.teardown(copy_weights_to_module=False)
+    with emulated_async_device(seed=1):  # and with it, the same loop is clean
+        train(tiny_engine(precision="bf16-mixed", offload_fraction=0.0), batches(3))
+
+
 def _loop_reading_weights_before_step(rank: int, world: int, skip: set[str]) -> str:
     """The 3-step loop with a no-grad forward (metrics on the batch) between backward and step:
     a compute read of the weights after the last flush, which only the h2d stream's own

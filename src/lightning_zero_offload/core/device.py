@@ -74,6 +74,7 @@ WAIT_KINDS = (
     "compute_waits",  # rule 2
     "stream_waits",  # a side stream waits for another's event (the copy after the reduce)
     "compute_waits_event",  # compute waits for a bucket buffer's last use before reusing it
+    "device_stage_filled",  # the device part's step waits for the last write of its gradient
     "staging_reuse",  # rule 6: the copy into a staging slice waits for the weights' copy out
     "event_wait",  # rule 1: host waits (Event.wait)
     "release",  # rule 4: the buffer goes back at once, not at the stream's point
@@ -151,7 +152,7 @@ class SyncDevice:
     def compute_waits(self, stream: object) -> None:
         pass
 
-    def compute_waits_event(self, event: Event) -> None:
+    def compute_waits_event(self, event: Event, kind: str = "compute_waits_event") -> None:
         """Compute work from the next compute point on runs after ``event`` (a bucket buffer
         reused once the copy that read it is done), without blocking the host on a GPU."""
 
@@ -268,7 +269,7 @@ class CudaDevice(SyncDevice):
         self._waits[stream.cuda_stream] = (e, set())  # type: ignore[attr-defined]
         self.compute_point()
 
-    def compute_waits_event(self, event: Event) -> None:
+    def compute_waits_event(self, event: Event, kind: str = "compute_waits_event") -> None:
         self._compute().wait_event(event.e)  # type: ignore[attr-defined]
 
     def compute_point(self) -> None:

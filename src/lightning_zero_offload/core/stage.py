@@ -135,6 +135,7 @@ class DeviceStage:
             for what, dt in (("master weights", torch.float32), ("exp_avg", torch.float32),
                              ("exp_avg_sq", torch.float32), ("gradient", dtype)):
                 made.append(dev.zeros(shard, dt, f"device-resident {what}"))
+                dev.track(made[-1], f"device-resident {what}")  # named by the race detector
         except BaseException:
             for t in made:
                 dev.free(t)
@@ -164,6 +165,7 @@ class DeviceStage:
             if self._fp32 is None:
                 self._fp32 = self.dev.zeros(self._grad.numel(), torch.float32,
                                             "device-resident fp32 gradient")
+                self.dev.track(self._fp32, "device-resident fp32 gradient")
             if self._flushes == 1:
                 self._fp32.copy_(self._grad)
             self._fp32.add_(shard)
@@ -186,7 +188,7 @@ class DeviceStage:
         """Compute work from here on (the step) runs after the last write into the gradient."""
         filled, self._filled = self._filled, None
         if filled is not None:
-            self.dev.compute_waits_event(filled)
+            self.dev.compute_waits_event(filled, "device_stage_filled")
 
     def reset(self) -> None:
         self._flushes = 0

@@ -217,11 +217,11 @@ class EmulatedDevice(SyncDevice):
         other, index = event.stream, event.index  # type: ignore[attr-defined]
         stream.put(lambda: other.wait_for(index), True)  # type: ignore[attr-defined]
 
-    def compute_waits_event(self, event: Event) -> None:
+    def compute_waits_event(self, event: Event, kind: str = "compute_waits_event") -> None:
         # The compute stream is this thread, and its next work (backward writing a reused
         # bucket buffer) follows at once: the wait is here.
         # A compute-stream wait, not a host one: the ``event_wait`` skip does not drop it.
-        if "compute_waits_event" not in self.skip:
+        if kind not in self.skip:
             _EmuEvent(event.stream, event.index, event.clock).wait()  # type: ignore[attr-defined]
 
     def compute_point(self) -> None:
