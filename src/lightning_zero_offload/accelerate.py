@@ -161,8 +161,8 @@ class ZeroOffloadPlugin:
     """Builds the engine inside an existing ``Accelerator`` when ZeRO-Offload is on.
 
     ``config``: a :class:`ZeroOffloadConfig` (then no ``ZERO_OFFLOAD_*`` option variables may be
-    set); otherwise options come from the environment. ``overrides``: config fields set in code
-    (a variable that sets the same field differently raises). ``enabled``: None reads
+    set); otherwise options come from the environment. ``overrides``: config fields set in code,
+    checked here (a variable that sets the same field differently raises). ``enabled``: None reads
     ``ZERO_OFFLOAD``. After ``prepare``, ``plugin.engine`` is the engine.
     """
 
