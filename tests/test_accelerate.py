@@ -394,6 +394,66 @@ def test_moment_dtype_from_env_reaches_the_engine(monkeypatch):
         _setup(offload=None)
 
 
+
+def _partial_offload_options(**plugin_kw) -> tuple:
+    """The engine's (offload_fraction, device_memory_headroom) after the plugin's prepare."""
+    plugin = ZeroOffloadPlugin(enabled=True, **plugin_kw)
+    model = _model()
+    plugin.prepare(Accelerator(mixed_precision="no"), model,
+                   torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert plugin.engine is not None
+    options = (plugin.engine.config.offload_fraction, plugin.engine.config.device_memory_headroom)
+    plugin.engine.teardown()
+    return options
+
+
+def test_partial_offload_options_reach_the_engine_from_code_env_and_file(monkeypatch, tmp_path):
+    assert _partial_offload_options() == ("auto", 0.2)  # the defaults
+    reset_accelerate()
+    assert _partial_offload_options(offload_fraction=0.5, device_memory_headroom=0.3) == (0.5, 0.3)
+    reset_accelerate()
+    monkeypatch.setenv("ZERO_OFFLOAD_OFFLOAD_FRACTION", " 0.25 ")
+    monkeypatch.setenv("ZERO_OFFLOAD_DEVICE_MEMORY_HEADROOM", "0")
+    assert _partial_offload_options() == (0.25, 0.0)
+    monkeypatch.setenv("ZERO_OFFLOAD_OFFLOAD_FRACTION", "auto")
+    assert config_overrides_from_env()["offload_fraction"] == "auto"
+    monkeypatch.delenv("ZERO_OFFLOAD_OFFLOAD_FRACTION")
+    monkeypatch.delenv("ZERO_OFFLOAD_DEVICE_MEMORY_HEADROOM")
+    path = tmp_path / "zo.yaml"
+    path.write_text("offload_fraction: 1\ndevice_memory_headroom: 0.5\n")
+    monkeypatch.setenv("ZERO_OFFLOAD_CONFIG", str(path))
+    assert config_overrides_from_env() == {"offload_fraction": 1.0, "device_memory_headroom": 0.5}
+    path.write_text("offload_fraction: auto\n")
+    assert config_overrides_from_env() == {"offload_fraction": "auto"}
+    path.write_text("offload_fraction: [0.5]\n")
+    with pytest.raises(ValueError, match="offload_fraction=\\[0.5\\]: expected a number"):
+        config_overrides_from_env()
+
+
+FRACTION = r'offload_fraction must be a number in \[0, 1\] or "auto"'
+HEADROOM = r"device_memory_headroom must be a number in \[0, 1\)"
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"offload_fraction": 1.5}, FRACTION), ({"offload_fraction": "half"}, FRACTION),
+    ({"device_memory_headroom": 1.0}, HEADROOM), ({"device_memory_headroom": -0.1}, HEADROOM)])
+def test_bad_partial_offload_arguments_raise_at_construction(kw, match):
+    with pytest.raises(ValueError, match=match + r".*ZeroOffloadPlugin arguments"):
+        ZeroOffloadPlugin(enabled=False, **kw)
+
+
+@pytest.mark.parametrize("var, text, match", [
+    ("ZERO_OFFLOAD_OFFLOAD_FRACTION", "half", FRACTION + ".*'half'"),
+    ("ZERO_OFFLOAD_OFFLOAD_FRACTION", "1.5", FRACTION + ".*1.5"),
+    ("ZERO_OFFLOAD_DEVICE_MEMORY_HEADROOM", "1", HEADROOM + ".*1.0"),
+    ("ZERO_OFFLOAD_DEVICE_MEMORY_HEADROOM", "lots", "'lots': expected float")])
+def test_bad_partial_offload_variables_raise_naming_the_variable_before_training(
+        monkeypatch, var, text, match):
+    monkeypatch.setenv(var, text)
+    with pytest.raises(ValueError, match=match) as info:
+        _partial_offload_options()
+    assert var in str(info.value)
+
 _EXIT_SCRIPT = '''
 import atexit, sys
 import torch, torch.distributed as dist

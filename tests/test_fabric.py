@@ -138,6 +138,19 @@ def test_bf16_mixed_runs_and_loss_falls():
     assert losses[-1] < 0.5 * losses[0]
 
 
+
+def test_partial_offload_options_reach_the_engine():
+    strategy = ZeroOffloadFabricStrategy(offload_fraction=0.5, device_memory_headroom=0.3)
+    fabric, _, _ = make(strategy)
+    assert fabric.strategy.engine is not None
+    config = fabric.strategy.engine.config
+    assert (config.offload_fraction, config.device_memory_headroom) == (0.5, 0.3)
+    fabric.strategy.teardown()
+    with pytest.raises(ValueError, match=r'offload_fraction must be .* or "auto", got -0.5'):
+        ZeroOffloadFabricStrategy(offload_fraction=-0.5)
+    with pytest.raises(ValueError, match=r"device_memory_headroom must be a number in \[0, 1\)"):
+        ZeroOffloadFabricStrategy(device_memory_headroom=2)
+
 def test_errors():
     with pytest.raises(ValueError, match="64-true"):
         Fabric(accelerator="cpu", strategy="zero_offload", precision="64-true")

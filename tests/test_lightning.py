@@ -587,6 +587,36 @@ def test_lightning_cli_takes_config_fields_under_init_args(tmp_path, monkeypatch
     assert (c.delayed_update, c.cpu_threads, c.bucket_size_mb) == (True, 1, 3.0)
 
 
+
+def test_partial_offload_options_reach_the_engine(tmp_path, monkeypatch):
+    assert (ZeroOffloadStrategy().config.offload_fraction,
+            ZeroOffloadStrategy().config.device_memory_headroom) == ("auto", 0.2)
+    strategy = ZeroOffloadStrategy(offload_fraction=0.5, device_memory_headroom=0.3)
+    model, _ = fit(ProfiledNet, strategy, tmp_path, max_steps=1)
+    assert (model.engine.config.offload_fraction,
+            model.engine.config.device_memory_headroom) == (0.5, 0.3)
+    pytest.importorskip("jsonargparse")
+    from lightning.pytorch.cli import LightningCLI
+
+    for fraction, want in (("auto", "auto"), ("0.25", 0.25)):
+        cfg = tmp_path / "cli.yaml"
+        cfg.write_text("trainer:\n  accelerator: cpu\n  strategy:\n"
+                       "    class_path: lightning_zero_offload.ZeroOffloadStrategy\n"
+                       f"    init_args:\n      offload_fraction: {fraction}\n"
+                       "      device_memory_headroom: 0.1\n")
+        monkeypatch.setattr(sys, "argv", ["prog", f"--config={cfg}"])
+        c = LightningCLI(Net, run=False, save_config_callback=None).trainer.strategy.config
+        assert (c.offload_fraction, c.device_memory_headroom) == (want, 0.1)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"offload_fraction": 1.5}, r'offload_fraction must be a number in \[0, 1\] or "auto"'),
+    ({"offload_fraction": "all"}, r'offload_fraction must be .* or "auto", got \'all\''),
+    ({"device_memory_headroom": 1.0}, r"device_memory_headroom must be a number in \[0, 1\)")])
+def test_bad_partial_offload_options_raise_when_the_strategy_is_built(kw, match):
+    with pytest.raises(ValueError, match=match + r".*ZeroOffloadStrategy arguments"):
+        ZeroOffloadStrategy(**kw)
+
 def test_one_device_keeps_the_default_strategys_data_order(tmp_path):
     """Lightning's distributed sampler is not inserted for one process: a shuffling
     DataLoader gives the same batches, so the same weights, as the default strategy."""

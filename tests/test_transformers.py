@@ -158,6 +158,45 @@ def test_bad_options_raise(tmp_path):
         )
 
 
+
+def _partial_offload_options(tmp_path, config) -> tuple:
+    """The engine's (offload_fraction, device_memory_headroom) for ``zero_offload_config``."""
+    trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(), args=_args(
+        tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, zero_offload_config=config))
+    trainer.create_optimizer()
+    engine = trainer.zero_offload_engine
+    assert engine is not None
+    options = (engine.config.offload_fraction, engine.config.device_memory_headroom)
+    engine.teardown()
+    reset_accelerate()
+    return options
+
+
+def test_partial_offload_options_reach_the_engine(tmp_path):
+    from transformers import HfArgumentParser
+
+    assert _partial_offload_options(tmp_path, None) == ("auto", 0.2)
+    config = {"offload_fraction": 0.5, "device_memory_headroom": 0.3}
+    assert _partial_offload_options(tmp_path, config) == (0.5, 0.3)
+    assert _partial_offload_options(tmp_path, '{"offload_fraction": "auto"}') == ("auto", 0.2)
+    path = tmp_path / "zo.yaml"
+    path.write_text("offload_fraction: 0.25\ndevice_memory_headroom: 0\n")
+    assert _partial_offload_options(tmp_path, str(path)) == (0.25, 0.0)
+    (args,) = HfArgumentParser(ZeroOffloadTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--zero_offload", "--zero_offload_config",
+         '{"offload_fraction": 0.75, "device_memory_headroom": 0.1}'])
+    assert args.zero_offload_config == {"offload_fraction": 0.75, "device_memory_headroom": 0.1}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"offload_fraction": 2}, r'offload_fraction must be a number in \[0, 1\] or "auto"'),
+    ('{"offload_fraction": "most"}', r'offload_fraction must be .* or "auto", got \'most\''),
+    ({"device_memory_headroom": 1}, r"device_memory_headroom must be a number in \[0, 1\)")])
+def test_bad_partial_offload_options_raise_when_the_trainer_is_built(tmp_path, config, match):
+    with pytest.raises(ValueError, match=match + r".*TrainingArguments.zero_offload_config"):
+        ZeroOffloadTrainer(model=_model(), train_dataset=_Data(), args=_args(
+            tmp_path, ZeroOffloadTrainingArguments, zero_offload=True, zero_offload_config=config))
+
 def test_precision_is_the_trainers_and_an_explicit_other_one_raises(tmp_path):
     ours = ZeroOffloadTrainer(
         model=_model(), train_dataset=_Data(),

@@ -52,7 +52,6 @@ from lightning_zero_offload.config_env import (  # noqa: E402
     ENV_CONFIG,
     ENV_PREFIX,
     build_config,
-    check_option_names,
     config_overrides_from_env,
     load_config_file,
     zero_offload_enabled,
@@ -162,8 +161,8 @@ class ZeroOffloadPlugin:
     """Builds the engine inside an existing ``Accelerator`` when ZeRO-Offload is on.
 
     ``config``: a :class:`ZeroOffloadConfig` (then no ``ZERO_OFFLOAD_*`` option variables may be
-    set); otherwise options come from the environment. ``overrides``: config fields set in code
-    (a variable that sets the same field differently raises). ``enabled``: None reads
+    set); otherwise options come from the environment. ``overrides``: config fields set in code,
+    checked here (a variable that sets the same field differently raises). ``enabled``: None reads
     ``ZERO_OFFLOAD``. After ``prepare``, ``plugin.engine`` is the engine.
     """
 
@@ -174,7 +173,9 @@ class ZeroOffloadPlugin:
         enabled: bool | None = None,
         **overrides: object,
     ) -> None:
-        check_option_names(overrides, "ZeroOffloadPlugin")
+        # bad names or values raise here, where the options are given, not at prepare
+        build_config(config, overrides, who="ZeroOffloadPlugin",
+                     where="the ZeroOffloadPlugin arguments")
         self.enabled = zero_offload_enabled() if enabled is None else bool(enabled)
         self._config = config
         self._overrides = overrides
@@ -198,8 +199,10 @@ class ZeroOffloadPlugin:
                     f"ZeroOffloadPlugin({name}={value!r}) conflicts with the environment's "
                     f"{ENV_PREFIX}{name.upper()} / {ENV_CONFIG} value {env[name]!r}; set it once"
                 )
+        variables = sorted(v for v in os.environ if v.startswith(ENV_PREFIX))
         where = ("the ZeroOffloadConfig passed in" if self._config is not None
-                 else "ZERO_OFFLOAD_* environment variables")
+                 else f"the environment: {', '.join(variables)}" if env
+                 else "the ZeroOffloadPlugin arguments")
         config = build_config(self._config, {**env, **self._overrides}, who="ZeroOffloadPlugin",
                               where=where)
         return config.resolve_precision(

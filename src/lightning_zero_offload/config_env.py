@@ -49,7 +49,10 @@ def _coerce(source: str, value: object, hint: object) -> object:
     ValueError that names ``source``."""
     args = typing.get_args(hint)
     optional = type(None) in args
-    base = next(a for a in args if a is not type(None)) if args else hint
+    bases = [a for a in args if a is not type(None)] if args else [hint]
+    if set(bases) == {float, str}:  # offload_fraction: a number or "auto"
+        return _coerce_number_or_word(source, value)
+    base = bases[0]
     expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
     if typing.get_origin(base) is tuple:  # cpu_affinity: "0,1,2" (or "[0, 1, 2]", a list)
         return _coerce_ints(source, value, optional)
@@ -76,6 +79,20 @@ def _coerce(source: str, value: object, hint: object) -> object:
     ):
         return value
     raise ValueError(f"{source}={value!r}: expected {expected}")
+
+
+def _coerce_number_or_word(source: str, value: object) -> float | str:
+    """A number, from text when it reads as one; else the word itself, which the config
+    checks (``offload_fraction``: ``"auto"``), so one place says what the field accepts."""
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{source}={value!r}: expected a number or a word such as 'auto'")
 
 
 def _coerce_ints(source: str, value: object, optional: bool) -> tuple[int, ...] | None:

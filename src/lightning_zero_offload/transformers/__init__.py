@@ -39,7 +39,7 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
     load_shards,
     save_shards,
 )
-from lightning_zero_offload.config_env import load_config_file  # noqa: E402
+from lightning_zero_offload.config_env import build_config, load_config_file  # noqa: E402
 from lightning_zero_offload.core import ZeroOffload  # noqa: E402
 from lightning_zero_offload.core.profile import FIELDS  # noqa: E402
 from lightning_zero_offload.transformers.args import enabled, with_zero_offload  # noqa: E402
@@ -55,15 +55,20 @@ ZeroOffloadTrainingArguments = with_zero_offload(
 
 
 def _options(args: TrainingArguments) -> dict[str, object]:
+    """The ``zero_offload_config`` fields, checked (a bad name or value raises naming it)."""
     cfg = getattr(args, "zero_offload_config", None)
     if cfg is None:
         return {}
     if isinstance(cfg, (str, os.PathLike)):
-        return load_config_file(cfg, source="zero_offload_config")
-    if isinstance(cfg, dict):
-        return dict(cfg)
-    raise TypeError(f"zero_offload_config must be a dict, JSON string or file path, got "
-                    f"{type(cfg).__name__}")
+        options = load_config_file(cfg, source="zero_offload_config")
+    elif isinstance(cfg, dict):
+        options = dict(cfg)
+    else:
+        raise TypeError(f"zero_offload_config must be a dict, JSON string or file path, got "
+                        f"{type(cfg).__name__}")
+    build_config(None, options, who="ZeroOffloadTrainer",
+                 where="TrainingArguments.zero_offload_config")
+    return options
 
 
 if TYPE_CHECKING:  # the mixin's methods run on a Trainer (it is listed before one)
