@@ -23,6 +23,7 @@ from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.ring import BucketRing
+from lightning_zero_offload.core.stage import HostStage
 
 
 def _sq_sum(shard: Tensor) -> Tensor:
@@ -279,7 +280,7 @@ class GradStreamer:
             self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
             return end
 
-        if first or stage.resident:  # a device stage adds on the stream itself
+        if first or not isinstance(stage, HostStage):  # a device stage adds on the stream
             end = copy_in()
             self._ring.flushed(b, lambda: end)
             return

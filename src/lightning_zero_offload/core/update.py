@@ -22,6 +22,7 @@ from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.stage import HostStage
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.weights import WeightPush
 
@@ -64,8 +65,8 @@ class HostUpdate:
         with self.profile.span("cpu_step", k):
             for b, bucket in enumerate(self.layout.buckets):
                 stage = gset.stages[b]
-                if stage.resident:  # stepped on the device (DeviceUpdate), gathered by finish
-                    continue
+                if not isinstance(stage, HostStage):  # stepped on the device (DeviceUpdate),
+                    continue  # gathered by the push's finish
                 hp = plan.hparams[bucket.group]
                 master, moments = self.host.state(b)
                 lo, hi = bucket.shard_range(self.rank)
