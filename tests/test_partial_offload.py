@@ -280,3 +280,19 @@ def test_two_gloo_ranks_equal_torch_adamw_at_each_fraction():
             assert max(rel_err(params[k], host[k]) for k in want) < 1e-6, f
             # two ranks average two half-batch gradients: torch's full batch rounds otherwise
             assert max(rel_err(params[k], v) for k, v in want.items()) < 2e-6, f
+
+
+def test_the_planner_counts_the_device_part_as_the_engine_allocates_it():
+    """``lzo-plan``'s split and device bytes are what the engine keeps on the device (bf16,
+    accumulating: the fp32 sum exists after the first micro-batch that adds)."""
+    from lightning_zero_offload.planner import split
+
+    with testing.emulated_async_device(seed=1, memory_bytes=1 << 30):
+        engine = tiny_engine(precision="bf16-mixed", offload_fraction=0.5)
+    train(engine, batches(1), micro=2)
+    shards = [b.shard for b in engine.layout.buckets]
+    k = split.device_buckets(shards, 0.5)
+    assert k == on_device(engine) and 0 < k < len(shards)
+    held = sum(t.numel() * t.element_size() for s in engine._host.resident for t in s.tensors())
+    assert held == sum(split.device_state(sum(shards[-k:]), 2, True).values())
+    assert split.host_fraction(shards, k) == engine.offload_fraction

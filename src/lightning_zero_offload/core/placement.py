@@ -15,25 +15,42 @@ import torch
 from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core.layout import Layout
 
+_TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
+
+
+def count_for(shards: list[int], fraction: float) -> int:
+    """How many trailing buckets (of these shard sizes, in reduction order) stay on the device
+    at ``offload_fraction=fraction``: the fewest whose elements reach ``1 - fraction``."""
+    total = sum(shards)
+    need = (1.0 - fraction) * total - _TOLERANCE * total
+    k = held = 0
+    while held < need and k < len(shards):
+        held += shards[len(shards) - 1 - k]
+        k += 1
+    return k
+
+
+def host_share(shards: list[int], on_device: int) -> float:
+    """Host elements over all when the last ``on_device`` buckets stay on the device."""
+    total = sum(shards)
+    return 1.0 if total == 0 else sum(shards[: len(shards) - on_device]) / total
+
+
+def element_bytes(elem: int, accumulate: bool) -> int:
+    """Device bytes of one device-resident element: fp32 master and both fp32 moments (12), a
+    gradient in the compute dtype (``elem``), and an fp32 sum where the run accumulates in a
+    half dtype (an fp32 gradient adds in place)."""
+    return 12 + elem + (4 if accumulate and elem != 4 else 0)
+
 
 def device_count(layout: Layout, fraction: float) -> int:
-    """How many trailing buckets stay on the device at ``offload_fraction=fraction``: whole
-    buckets, from the last, until they hold at least ``1 - fraction`` of the elements."""
-    total = sum(b.shard for b in layout.buckets)
-    want, kept, n = (1.0 - fraction) * total, 0, 0
-    for bucket in reversed(layout.buckets):
-        if kept >= want * (1 - 1e-12):
-            break
-        kept += bucket.shard
-        n += 1
-    return n
+    """:func:`count_for` over the layout's buckets."""
+    return count_for([b.shard for b in layout.buckets], fraction)
 
 
 def host_fraction(layout: Layout, on_device: int) -> float:
-    """The resolved ``offload_fraction``: host elements over all trained elements."""
-    total = sum(b.shard for b in layout.buckets)
-    host = sum(b.shard for b in layout.buckets[: len(layout.buckets) - on_device])
-    return host / total if total else 1.0
+    """The resolved ``offload_fraction``: :func:`host_share` over the layout's buckets."""
+    return host_share([b.shard for b in layout.buckets], on_device)
 
 
 def host_numel(layout: Layout, on_device: int) -> list[int]:
@@ -47,8 +64,7 @@ def host_numel(layout: Layout, on_device: int) -> list[int]:
 def bucket_device_bytes(shard: int, dtype: torch.dtype, accumulate: bool) -> int:
     """Device bytes of one device-resident bucket shard: fp32 master and both fp32 moments, a
     gradient buffer in the compute dtype, and an fp32 gradient where the run accumulates."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return shard * (12 + elem + (4 if accumulate and elem != 4 else 0))
+    return shard * element_bytes(torch.empty((), dtype=dtype).element_size(), accumulate)
 
 
 def device_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: bool) -> int:

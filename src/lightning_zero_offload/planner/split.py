@@ -6,8 +6,9 @@ trailing buckets (whose gradients arrive last in backward: the model's first lay
 device, whole, until the device holds at least ``1 - offload_fraction`` of the trained elements;
 the fraction reported is the host's elements over all of them. A device-resident element costs
 the device its fp32 master (4 B), fp32 ``exp_avg`` and ``exp_avg_sq`` (8 B; ``moment_dtype``
-is the host's only), a gradient in the compute dtype (``h`` B) and, when the run accumulates, an
-fp32 gradient (4 B); it costs the host nothing. ``"auto"`` keeps on the device only what the
+is the host's only), a gradient in the compute dtype (``h`` B) and, when the run accumulates in
+a half dtype, an fp32 gradient (4 B); it costs the host nothing. The split and the bytes are
+the engine's own (``core.placement``). ``"auto"`` keeps on the device only what the
 host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
 within ``1 - device_memory_headroom`` of its memory (``most_on_device``).
 """
@@ -16,36 +17,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lightning_zero_offload.core.placement import count_for, element_bytes, host_share
+
 AUTO = "auto"
 DEFAULT_HEADROOM = 0.2
-_TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
 
 
 def device_state(numel: int, h: int, accumulate: bool) -> dict[str, int]:
-    """Device bytes of ``numel`` device-resident elements of this rank's shard."""
+    """Device bytes of ``numel`` device-resident elements of this rank's shard (the engine's
+    ``core.placement.element_bytes``)."""
     if not numel:
         return {}
     return {"optimizer state (device)": 12 * numel,
-            "gradients (device)": (h + (4 if accumulate else 0)) * numel}
+            "gradients (device)": (element_bytes(h, accumulate) - 12) * numel}
 
 
 def host_fraction(shards: list[int], k: int) -> float:
     """The share of the trained elements on the host when the last ``k`` buckets stay on the
-    device."""
-    total = sum(shards)
-    return 1.0 if total == 0 else sum(shards[: len(shards) - k]) / total
+    device (the engine's ``core.placement.host_share``)."""
+    return host_share(shards, k)
 
 
 def device_buckets(shards: list[int], fraction: float) -> int:
-    """How many trailing buckets stay on the device for ``offload_fraction=fraction``: the
-    fewest whose elements reach ``1 - fraction`` of the total."""
-    total = sum(shards)
-    need = (1.0 - fraction) * total - _TOLERANCE * total
-    k = held = 0
-    while held < need and k < len(shards):
-        held += shards[len(shards) - 1 - k]
-        k += 1
-    return k
+    """How many trailing buckets stay on the device for ``offload_fraction=fraction`` (the
+    engine's ``core.placement.count_for``)."""
+    return count_for(shards, fraction)
 
 
 def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
