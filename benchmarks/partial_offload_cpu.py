@@ -1,7 +1,7 @@
 """The host kernel's time per step against ``offload_fraction``, on the CPU, in one run.
 
-One model (an MLP of ``--layers`` ``Linear(width, width)``, one bucket per layer, so the
-fractions fall on bucket edges), one engine per ``offload_fraction`` (default 1.0, 0.75, 0.5,
+One model (an MLP of ``--layers`` ``Linear(width, width, bias=False)``, one bucket per layer,
+so the fractions fall on bucket edges), one engine per ``offload_fraction`` (default 1.0, 0.75, 0.5,
 0.25), all built from the same weights in the same process and stepped round by round in a
 rotating order, so machine noise hits every fraction alike. From each step's profile
 (``engine.last_profile``): ``cpu_step`` (the host kernel on the host's buckets) and
@@ -33,13 +33,13 @@ FRACTIONS = (1.0, 0.75, 0.5, 0.25)
 
 def make_model(layers: int, width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
 
 
 def engines(args: argparse.Namespace) -> dict[float, zo.ZeroOffload]:
-    # one layer (weight and bias) per bucket: a whole number of buckets is each fraction
+    # one layer per bucket: a whole number of buckets is each fraction
     elem = 4 if args.precision == "32-true" else 2
-    bucket_mb = (args.width + 1) * args.width * elem * 1.01 / 2**20
+    bucket_mb = args.width**2 * elem * 1.01 / 2**20
     out = {}
     for f in args.fractions:
         model = make_model(args.layers, args.width)
