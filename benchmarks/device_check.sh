@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One call of the `device` tool (H200 machine: torch with CUDA present, nothing of ours installed,
 # no network): build the kernel, run the CUDA tests, the compact-moment step on the host's cores,
-# then benchmarks/gpu_e2e.py, all inside 8 minutes (each part has a time limit; the benchmark
-# gets whatever time is left). Everything lands in $OUT: device_check.log, pytest_cuda.xml,
-# cpu_adam_moments.json, gpu_e2e.json, gpu_e2e.md. Ends with benchmarks/device_summary.py: a
+# partial offload (benchmarks/partial_offload_gpu.py: tokens/s at offload_fraction 1.0, 0.5, 0.0
+# and "auto" beside the GPU-resident baseline), then benchmarks/gpu_e2e.py, all inside 8 minutes
+# (each part has a time limit; gpu_e2e gets whatever time is left). Everything lands in $OUT:
+# device_check.log, pytest_cuda.xml, cpu_adam_moments.json, partial_offload_gpu.json/.md,
+# gpu_e2e.json, gpu_e2e.md. Ends with benchmarks/device_summary.py: a
 # one-screen summary for benchmarks/RESULTS.md, and exit 1 naming every job that failed or came
 # back without its figures.
 #
@@ -25,20 +27,23 @@ case "${1:-}" in
 esac
 OUT="${OUT:-benchmarks/out}"
 mkdir -p "$OUT"
-rm -f "$OUT"/{pytest_cuda.xml,cpu_adam_moments.json,gpu_e2e.json,gpu_e2e.md}  # no stale figures
+rm -f "$OUT"/{pytest_cuda.xml,cpu_adam_moments.json,partial_offload_gpu.{json,md},gpu_e2e.{json,md}}
+# (no stale figures)
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export LZO_KERNEL=cpp  # the C++ kernel or a loud failure
 if ((REHEARSE)); then
     TOTAL_S="${TOTAL_S:-270}" BUILD_S="${BUILD_S:-150}" TESTS_S="${TESTS_S:-90}" \
-        MOMENTS_S="${MOMENTS_S:-45}"  # each limit can be raised on a busy machine
+        MOMENTS_S="${MOMENTS_S:-45}" PARTIAL_S="${PARTIAL_S:-90}"  # each can be raised when busy
     MOMENTS=(--sizes 1M --parts d --threads 1 --repeats 2)
+    PARTIAL=(--rehearse)  # the tiny GPT, each engine on the emulated device with a 1 GiB capacity
     GPU_E2E=(--rehearse)  # LZO_BUILD_DIR: the caller's, else the default (CI: `tasks.py test`'s)
     export LZO_DEVICE_CHECK=rehearse LZO_EMULATED_DEVICE_SEED="${LZO_EMULATED_DEVICE_SEED:-1}"
 else
     TOTAL_S="${TOTAL_S:-470}" BUILD_S="${BUILD_S:-100}" TESTS_S="${TESTS_S:-120}" \
-        MOMENTS_S="${MOMENTS_S:-75}"  # 8 minutes less a margin
+        MOMENTS_S="${MOMENTS_S:-75}" PARTIAL_S="${PARTIAL_S:-90}"  # 8 minutes less a margin
     MOMENTS=(--sizes 50M --parts d --threads 1,8,16 --repeats 5)
+    PARTIAL=()  # GPT 350m, batch 8 x 1024
     GPU_E2E=()
     export LZO_BUILD_DIR="${LZO_BUILD_DIR:-/tmp/lzo-build}"
 fi
@@ -84,6 +89,11 @@ check "CUDA tests" timeout "$TESTS_S" $PY -m pytest -q -m cuda -p no:cacheprovid
 step "compact moments on the host's cores (limit $MOMENTS_S s)"
 check "compact moments" timeout "$MOMENTS_S" $PY benchmarks/cpu_adam.py "${MOMENTS[@]}" \
     --out "$OUT/cpu_adam_moments.json"
+
+# Issue 28: what keeping part (or all) of the optimizer state on the device costs and saves.
+step "partial offload (limit $PARTIAL_S s)"
+check "partial offload" timeout "$PARTIAL_S" $PY benchmarks/partial_offload_gpu.py "${PARTIAL[@]}" \
+    --out "$OUT" --budget-s "$((PARTIAL_S - 10))"
 
 LEFT=$((TOTAL_S - (SECONDS - T0)))
 LEFT=$((LEFT < 45 ? 45 : LEFT))  # `timeout 0` would mean no limit at all

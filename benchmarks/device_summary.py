@@ -2,8 +2,9 @@
 one-screen summary of the figures, ready to paste into ``benchmarks/RESULTS.md``.
 
 ``benchmarks/device_check.sh`` calls it last with its ``$OUT`` and the steps whose command exited
-non-zero; it reads ``pytest_cuda.xml``, ``cpu_adam_moments.json`` and ``gpu_e2e.json`` and exits 1
-naming every failed job (a missing or empty file is a failure too), else 0.
+non-zero; it reads ``pytest_cuda.xml``, ``cpu_adam_moments.json``, ``partial_offload_gpu.json`` and
+``gpu_e2e.json`` and exits 1 naming every failed job (a missing or empty file is a failure too),
+else 0.
 
     python benchmarks/device_summary.py --out benchmarks/out [--rehearse] [--failed "step (rc=1)"]
 """
@@ -68,6 +69,15 @@ def moments_verdict(path: Path) -> tuple[list[str], list[str]]:
     return lines, out
 
 
+def partial_verdict(path: Path, md: Path) -> tuple[str, list[str]]:
+    """(partial_offload_gpu.md, failures) from ``partial_offload_gpu.py``'s own list."""
+    if not path.is_file():
+        return "", [f"partial offload: no {path.name}"]
+    results = json.loads(path.read_text())
+    out = results.get("failures", ["stopped before the end (its time limit?)"])
+    return (md.read_text() if md.is_file() else ""), [f"partial offload {f}" for f in out]
+
+
 def gpu_e2e_verdict(path: Path, md: Path) -> tuple[str, list[str]]:
     """(gpu_e2e.md, failures) from ``gpu_e2e.py``'s own list, or recomputed from what it saved
     when it was stopped before the end."""
@@ -92,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     tests_line, failed = tests_verdict(a.out / "pytest_cuda.xml", a.rehearse)
     moment_lines, f2 = moments_verdict(a.out / "cpu_adam_moments.json")
+    partial_md, f4 = partial_verdict(a.out / "partial_offload_gpu.json",
+                                     a.out / "partial_offload_gpu.md")
     e2e_md, f3 = gpu_e2e_verdict(a.out / "gpu_e2e.json", a.out / "gpu_e2e.md")
-    failed = [f"step {s}" for s in a.failed] + failed + f2 + f3
+    failed = [f"step {s}" for s in a.failed] + failed + f2 + f4 + f3
     kind = "rehearsal on the CPU (emulated device, tiny sizes)" if a.rehearse else "GPU"
     wall = f", {a.wall_s:.0f} s" if a.wall_s is not None else ""
     print(f"\n## Device check summary ({kind}{wall}) - paste into benchmarks/RESULTS.md\n")
     print(f"- {tests_line}")
     print("\n".join(moment_lines))
+    print()
+    print(partial_md.rstrip())
     print()
     print(e2e_md.rstrip())
     print()

@@ -158,8 +158,10 @@ def make_peer(peer: str, cfg, device: torch.device, engine: dict):  # noqa: ANN0
         def cleanup() -> dict:
             zo.synchronize()
             prof = summarize(list(zo.profile)[-5:])
+            out = {"profile_mean_s": prof, "offload_fraction": zo.offload_fraction,
+                   "host_gib": zo.host_bytes / GIB}
             zo.teardown(copy_weights_to_module=False)
-            return {"profile_mean_s": prof}
+            return out
 
         return step, cleanup
     raise ValueError(f"unknown peer {peer!r}; choose from {PEERS}")
@@ -241,9 +243,9 @@ def child(job: dict) -> dict:
     return res
 
 
-def spawn(job: dict, timeout: float) -> dict:
-    """Run ``job`` in a child process (its own device memory, cap and peak RSS)."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(job)]
+def spawn(job: dict, timeout: float, script: str = __file__) -> dict:
+    """Run ``job`` in a child process of ``script`` (its own device memory, cap and peak RSS)."""
+    cmd = [sys.executable, script, "--child", json.dumps(job)]
     try:
         p = subprocess.run(cmd, stdout=subprocess.PIPE, timeout=max(timeout, 1.0), text=True)
     except subprocess.TimeoutExpired:

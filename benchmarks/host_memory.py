@@ -23,6 +23,13 @@ prints the host bytes per trained parameter the engine budgets for master, momen
 staging (``engine.host_budget`` without the terms that exist only because the CPU is the compute
 device), with the RSS growth of building the engine and running the 3 steps against
 ``engine.host_bytes``; writes ``benchmarks/out/host_memory_configs.json``.
+
+``--fractions`` (default ``--params 1e8``) builds, in one child process, an engine per
+configuration at ``offload_fraction`` 1.0, 0.5 and 0.0, trains one step each and prints the host
+bytes per trained parameter side by side: what a GPU machine's host holds (``engine.host_bytes``
+less the terms that exist only because the CPU is the compute device: on the emulated device the
+device-resident optimizer state lives in host memory too) and ``engine.host_bytes`` itself;
+writes ``benchmarks/out/host_memory_fractions.json``.
 """
 
 from __future__ import annotations
@@ -79,7 +86,47 @@ with emulated_async_device(seed=0, max_delay_ms=0.5):
 GB = 1e9
 # budget terms that exist only because the CPU is the compute device (the emulated device keeps
 # its "device" buffers in host memory)
-CPU_ONLY = ("device_weights", "device_untrained", "buckets_in_flight")
+CPU_ONLY = ("device_weights", "device_untrained", "buckets_in_flight", "device_state")
+FRACTIONS = (1.0, 0.5, 0.0)
+
+FRACTIONS_CHILD = r"""
+import gc, json, sys
+import torch
+from torch import nn
+import lightning_zero_offload as zo
+from lightning_zero_offload.ops import _build
+from lightning_zero_offload.testing import emulated_async_device
+_build.load()
+n, d = int(float(sys.argv[1])), int(sys.argv[2])
+configs, fractions = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+bucket_mb = float(sys.argv[5])
+rows = []
+for moment_dtype, delayed, accumulate in configs:
+    for fraction in fractions:
+        torch.manual_seed(0)
+        layers = max(1, round(n / d**2))
+        model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(layers)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        with emulated_async_device(seed=0, max_delay_ms=0.5):
+            engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu",
+                                    moment_dtype=moment_dtype, delayed_update=delayed,
+                                    delayed_update_warmup=0, accumulate=accumulate,
+                                    offload_fraction=fraction, bucket_size_mb=bucket_mb)
+            x = torch.randn(8, d)
+            for _ in range(2 if accumulate else 1):
+                engine.backward(engine.module(x).float().pow(2).mean())
+            engine.step()
+            engine.synchronize()
+            rows.append({"params": sum(p.numel() for p in model.parameters()),
+                         "config": {"moment_dtype": moment_dtype, "delayed_update": delayed,
+                                    "accumulate": accumulate},
+                         "fraction": fraction, "resolved": engine.offload_fraction,
+                         "host_bytes": engine.host_bytes, "host_budget": engine.host_budget})
+            engine.teardown()
+        del engine, model, opt
+        gc.collect()
+print(json.dumps(rows))
+"""
 CONFIGS = [(m, d, a) for m in ("fp32", "bf16", "int8") for d in (False, True)
            for a in (False, True)]
 
@@ -115,6 +162,50 @@ def measure(params: float, width: int, moment_dtype: str = "fp32", delayed: bool
     r["config"] = {"moment_dtype": moment_dtype, "delayed_update": delayed,
                    "accumulate": accumulate}
     return r
+
+
+def measure_fractions(params: float, width: int, configs: list = CONFIGS,
+                      fractions: tuple = FRACTIONS, bucket_mb: float = 25.0) -> list[dict]:
+    """Host bytes per trained parameter of each configuration at each ``offload_fraction``, from
+    the engines' own accounting (one child process; no RSS: the emulated device's memory is the
+    host's). ``bucket_mb``: the engines' ``bucket_size_mb`` (fractions fall on bucket edges)."""
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               MALLOC_MMAP_THRESHOLD_=str(1 << 20))  # freed engines' buffers go back to the OS
+    argv = [str(params), str(width), json.dumps(configs), json.dumps(fractions), str(bucket_mb)]
+    proc = subprocess.run([sys.executable, "-c", FRACTIONS_CHILD, *argv], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise RuntimeError(f"host_memory fractions child failed:\n{proc.stderr[-4000:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in rows:
+        n = r["params"]
+        r["host_bytes_per_param"] = r["host_bytes"] / n
+        r["gpu_host_bytes_per_param"] = sum(
+            v for k, v in r["host_budget"].items() if k not in CPU_ONLY) / n
+    return rows
+
+
+def fractions_table(rows: list[dict], fractions: tuple = FRACTIONS) -> str:
+    head = " / ".join(f"{f:g}" for f in fractions)
+    out = [f"{rows[0]['params'] / 1e6:.0f}M parameters, bf16-mixed, one rank, emulated "
+           "asynchronous device; host bytes per trained parameter at `offload_fraction` "
+           f"{' / '.join(f'{f:g}' for f in fractions)} (resolved: "
+           f"{' / '.join(f'{r:g}' for r in sorted({r['resolved'] for r in rows}, reverse=True))})"
+           ": on a GPU machine (`host_bytes` less the CPU-as-device terms), then `host_bytes` on "
+           "the CPU (the device's memory is the host's there)", "",
+           f"| moments | delayed update | accumulation | GPU host: {head} | "
+           f"`host_bytes` (CPU): {head} |", "|---|---|---|---|---|"]
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        c = r["config"]
+        by.setdefault((c["moment_dtype"], c["delayed_update"], c["accumulate"]), {})[
+            r["fraction"]] = r
+    for (m, d, a), at in by.items():
+        gpu = " / ".join(f"{at[f]['gpu_host_bytes_per_param']:.2f}" for f in fractions)
+        cpu = " / ".join(f"{at[f]['host_bytes_per_param']:.2f}" for f in fractions)
+        out.append(f"| {m} | {'on' if d else 'off'} | {'on' if a else 'off'} | **{gpu}** | "
+                   f"{cpu} |")
+    return "\n".join(out)
 
 
 def configs_table(rows: list[dict]) -> str:
@@ -157,9 +248,18 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=None, help="5e8 (1e8 with --configs)")
     ap.add_argument("--configs", action="store_true", help="every moments x delayed x "
                     "accumulation configuration")
+    ap.add_argument("--fractions", action="store_true", help="host bytes per parameter of every "
+                    f"configuration at offload_fraction {' / '.join(map(str, FRACTIONS))}")
     ap.add_argument("--width", type=int, default=4096, help="width of the square layers")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "host_memory.json")
     args = ap.parse_args()
+    if args.fractions:
+        rows = measure_fractions(args.params or 1e8, args.width)
+        out = args.out.with_name("host_memory_fractions.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=2))
+        print(fractions_table(rows))
+        return
     if args.configs:
         rows = [measure(args.params or 1e8, args.width, *c) for c in CONFIGS]
         out = args.out.with_name("host_memory_configs.json")

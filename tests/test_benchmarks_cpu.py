@@ -165,3 +165,82 @@ def test_gpu_e2e_failures_name_each_job_without_figures() -> None:
         "throughput tiny zero_offload: ValueError: cpu_threads must be an int >= 1 or None",
         "throughput tiny zero_offload_dpu: came back without ['profile_mean_s']",
         "cap offload small: timeout", "cap offload: no size trained under the cap"]
+
+
+def test_partial_offload_cpu_reports_each_fraction_against_all_host(tmp_path: Path) -> None:
+    """Four one-bucket layers: each fraction keeps that many buckets on the device, the host
+    kernel's time is a ratio to the all-host engine's, and only the partial engines have a
+    device part (not a speed check: a tiny model's ratios mean nothing)."""
+    out = tmp_path / "p.json"
+    _run("partial_offload_cpu.py", "--layers", "4", "--width", "64", "--steps", "2",
+         "--warmup", "0", "--out", str(out))
+    rows = {r["fraction"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [0.25, 0.5, 0.75, 1.0]
+    for f, r in rows.items():
+        assert r["buckets"] == 4 and r["on_device"] == round(4 * (1 - f))
+        assert r["resolved"] == pytest.approx(f)
+        assert r["cpu_step_s"] > 0 and r["cpu_step_ratio"] > 0
+        assert (r["device_step_s"] > 0) == (f < 1.0)
+    assert rows[1.0]["cpu_step_ratio"] == 1.0
+
+
+def test_host_memory_fractions_shrink_the_host_part() -> None:
+    """Host bytes per parameter at 1.0 / 0.5 / 0.0 from the engines' accounting: a GPU
+    machine's host keeps all, half, none of the optimizer state (master and moments); on the CPU
+    the device's share is host memory too, so ``host_bytes`` there does not fall."""
+    sys.path.insert(0, str(BENCH))
+    from host_memory import fractions_table, measure_fractions
+
+    configs = [("fp32", False, False), ("int8", False, False)]
+    rows = measure_fractions(2**18, 256, configs=configs, bucket_mb=0.13)  # 4 buckets
+    at = {(r["config"]["moment_dtype"], r["fraction"]): r for r in rows}
+    assert len(rows) == 6
+    for m in ("fp32", "int8"):
+        assert [at[m, f]["resolved"] for f in (1.0, 0.5, 0.0)] == [1.0, 0.5, 0.0]
+        state = {f: sum(at[m, f]["host_budget"][k] for k in ("master", "moments"))
+                 for f in (1.0, 0.5, 0.0)}
+        assert state[0.5] == pytest.approx(state[1.0] / 2, rel=0.02) and state[0.0] == 0
+        gpu = [at[m, f]["gpu_host_bytes_per_param"] for f in (1.0, 0.5, 0.0)]
+        assert gpu[0] > gpu[1] > gpu[2] >= 0
+        assert at[m, 0.0]["host_bytes_per_param"] >= at[m, 1.0]["host_bytes_per_param"] - 8
+    assert at["int8", 1.0]["gpu_host_bytes_per_param"] < at["fp32", 1.0]["gpu_host_bytes_per_param"]
+    assert "| fp32 | off | off | **" in fractions_table(rows)
+
+
+def test_partial_offload_gpu_failures_and_summary(tmp_path: Path, capsys) -> None:
+    """The device check's partial-offload job: an error or a missing figure fails naming the
+    peer, an out-of-memory is a figure; device_summary fails on a missing result and prints the
+    table of one that came back."""
+    sys.path.insert(0, str(BENCH))
+    from device_summary import main as summary
+    from device_summary import partial_verdict
+    from partial_offload_gpu import BASELINE, FIGURES, failures, markdown, with_ratios
+
+    ours = {k: 0.5 for k in FIGURES} | {"profile_mean_s": {"cpu_step": 0.1, "device_step": 0.1},
+                                        "tokens_per_s": 50.0, "host_gib": 1.0}
+    peers = {BASELINE: {"tokens_per_s": 100.0}, "offload_1.0": dict(ours),
+             "offload_0.5": dict(ours), "offload_0.0": {"error": "OOM", "does_not_fit": True},
+             "offload_auto": dict(ours)}
+    job = {"device": "cpu", "size": "tiny", "fractions": [1.0, 0.5, 0.0, "auto"], "batch": 2,
+           "cfg": {"seq_len": 64}, "emulated_memory_bytes": 2**30}
+    res = with_ratios({"job": job, "n_params": 10, "peers": peers})
+    assert failures(res) == [] and peers["offload_0.5"]["ratio"] == 0.5
+    env = {"date": "d", "device": "cpu", "cpu_cores": 2, "torch": "t"}
+    md = markdown(res, env)
+    assert "| offload_0.5 | 0.500 | 50 | 0.50 |" in md and "resolved to offload_fraction" in md
+    del peers["offload_auto"]["offload_fraction"]
+    peers["offload_0.5"] = {"error": "ValueError: boom"}
+    assert failures(res) == ["offload_0.5: ValueError: boom",
+                             "offload_auto: came back without ['offload_fraction']"]
+    assert partial_verdict(tmp_path / "none.json", tmp_path / "none.md")[1] == [
+        "partial offload: no none.json"]
+    (tmp_path / "p.json").write_text(json.dumps({"failures": failures(res)}))
+    (tmp_path / "p.md").write_text(md)
+    text, failed = partial_verdict(tmp_path / "p.json", tmp_path / "p.md")
+    assert text == md and failed[0] == "partial offload offload_0.5: ValueError: boom"
+    (tmp_path / "partial_offload_gpu.json").write_text(json.dumps({"failures": failures(res)}))
+    (tmp_path / "partial_offload_gpu.md").write_text(markdown(res, env))
+    assert summary(["--out", str(tmp_path), "--rehearse"]) == 1
+    printed = capsys.readouterr().out
+    assert "| offload_0.5 | ValueError: boom |" in printed
+    assert "FAILED partial offload offload_0.5: ValueError: boom" in printed
