@@ -66,9 +66,11 @@ def engine_settings(cpu_threads: int | None) -> dict:
     """The ``ZeroOffload`` keyword arguments of every offload job, on CUDA and in the rehearsal
     alike (``delayed_update`` is added per peer): one place, so a value the config rejects fails
     the rehearsal too. ``cpu_threads=None`` is the engine's own choice (the cores this process
-    may use, one fewer with delayed update)."""
+    may use, one fewer with delayed update). ``offload_fraction=1.0``: these jobs measure full
+    offload (the default ``"auto"`` would move the state of a model that fits onto the GPU after
+    the first step); ``partial_offload_gpu.py`` measures the fractions and ``"auto"``."""
     return {"precision": "bf16-mixed", "delayed_update_warmup": DPU_WARMUP,
-            "cpu_threads": cpu_threads}
+            "cpu_threads": cpu_threads, "offload_fraction": 1.0}
 
 
 def check_engine_settings(engine: dict) -> None:
@@ -278,7 +280,8 @@ def cannot_fit(mode: str, cfg, device: torch.device, cap_gib: float, engine: dic
         return (f"16 B/param + activations = {need / GIB:.1f} GiB exceed the {cap_gib:g} GiB cap"
                 if need > cap else None)
     p = plan(n, precision=engine["precision"], device=device.type, host_memory=host_free,
-             device_memory=int(cap) if device.type == "cuda" else None, measure=False)
+             device_memory=int(cap) if device.type == "cuda" else None, measure=False,
+             offload_fraction=engine["offload_fraction"])
     if device.type == "cuda" and p.device_bytes + acts > cap:
         return (f"planner: {p.device_bytes / GIB:.1f} GiB + activations {acts / GIB:.1f} GiB "
                 f"exceed the {cap_gib:g} GiB cap")
