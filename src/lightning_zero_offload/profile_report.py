@@ -26,16 +26,19 @@ from lightning_zero_offload.core.profile import FIELDS
 __all__ = ["format_summary", "load", "draw", "main"]
 
 _LABELS = {"fwd_bwd": "forward+backward", "grad_wait": "gradient wait", "cpu_step": "CPU step",
-           "weight_copy": "weight copy", "stall": "stall (CPU step not hidden)"}
+           "device_step": "device step (partial offload)", "weight_copy": "weight copy",
+           "stall": "stall (CPU step not hidden)"}
 # Time the main thread (so the device's queue) spends per step: the CPU step and the weight
 # copy show only through ``stall`` when they overlap forward/backward (delayed update).
-_MAIN = ("fwd_bwd", "grad_wait", "stall")
+# The device part of partial offload runs on the main thread too.
+_MAIN = ("fwd_bwd", "grad_wait", "device_step", "stall")
 
 LANES = {  # span name -> (lane, colour)
     "fwd_bwd": ("main: fwd/bwd", "tab:blue"),
     "grad_wait": ("main: fwd/bwd", "tab:gray"),
     "stall": ("main: fwd/bwd", "tab:red"),
     "grad_transfer": ("grad transfer", "tab:orange"),
+    "device_step": ("main: fwd/bwd", "tab:cyan"),
     "cpu_step": ("CPU step", "tab:green"),
     "weight_copy": ("weight copy", "tab:purple"),
 }

@@ -217,7 +217,9 @@ class Stepper:
                                "synchronously", w, w)
             with prof.span("stall", k):
                 sources = self.streamer.fold_last_flush()
-                self.device_update.run(plan, sources, [weights.live], k)  # gathered by the push
+            # The device part (its own span, device_step), gathered by the push.
+            self.device_update.run(plan, sources, [weights.live], k)
+            with prof.span("stall", k):
                 with weights.push(k, weights.live) as push:
                     if self.worker is not None:  # bound to its cores; collectives stay here
                         self.worker.run(update.run, plan, sources, push, False)
