@@ -238,12 +238,12 @@ def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
 def setup_error_with_rank_1_short(rank: int, build: Callable[[], object]) -> str:
     """``build()`` (an engine's setup) with rank 1's host-memory check refusing: the setup error
     this rank raised, or "no error"."""
-    import lightning_zero_offload.core.engine as engine_mod
+    import lightning_zero_offload.core.resident as resident  # where setup checks host memory
 
     if rank == 1:
         def refuse(needed: int, r: int) -> None:
             raise MemoryError(f"rank {r} needs {needed} bytes (test)")
-        engine_mod.check_host_memory = refuse
+        resident.check_host_memory = refuse
     try:
         build()
     except MemoryError as e:

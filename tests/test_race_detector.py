@@ -58,8 +58,10 @@ def test_skipping_the_device_parts_wait_for_its_gradient_is_caught() -> None:
     with emulated_async_device(seed=1, skip_waits={"device_stage_filled"}):
         engine = tiny_engine(precision="bf16-mixed", offload_fraction=0.0)
         try:
+            # seen from whichever access comes second: the step's read, or the next copy in
             with pytest.raises(StreamOrderError, match=r"device-resident gradient on the "
-                                                       r"compute stream.*d2h stream"):
+                                                       r"(compute|d2h) stream.*(d2h|compute) "
+                                                       r"stream"):
                 train(engine, batches(3))
         finally:
             with contextlib.suppress(Exception):
