@@ -461,6 +461,31 @@ def _switch_one_rank_unchanged(root: str) -> dict:
     return {"master": equal_nested(after["model"], before["model"])}
 
 
+def _placement(root: str) -> dict:
+    """At (1, 2), fp32: saved at offload_fraction 0.5 (sharded and consolidated) and resumed at
+    0.5, 1.0 and 0.0; each resumed run's weights against the run that went on."""
+    a = _engine(1, 2, precision="32-true", offload_fraction=0.5)
+    _steps(a, 1, range(2))
+    a.save_checkpoint(f"{root}/placed")
+    a.save_checkpoint(f"{root}/placed.pt", sharded=False)
+    _steps(a, 1, range(2, 4))
+    a.gather_weights()
+    want = _full(a.module)
+    out = {"resident": len(a._host.resident), "buckets": len(a.layout.buckets)}
+    a.teardown(copy_weights_to_module=False)
+    for path in ("placed", "placed.pt"):
+        for f in (0.5, 1.0, 0.0):
+            b = _engine(1, 2, precision="32-true", offload_fraction=f)
+            b.load_checkpoint(f"{root}/{path}")
+            _steps(b, 1, range(2, 4))
+            b.gather_weights()
+            got = _full(b.module)
+            out[(path, f)] = (all(torch.equal(got[k], v) for k, v in want.items()),
+                              _rel(got, want))
+            b.teardown(copy_weights_to_module=False)
+    return out
+
+
 def _at_1x2(rank: int, world: int, root: str) -> dict:
     """Every case at mesh (1, 2), in one pair of processes: its result or its traceback."""
     import traceback
@@ -479,7 +504,8 @@ def _at_1x2(rank: int, world: int, root: str) -> dict:
         return str(err.value)
 
     return {"uneven": case(_uneven, root), "switch": case(_switch, root),
-            "one_unchanged": case(_switch_one_rank_unchanged, root), "offline": case(offline)}
+            "one_unchanged": case(_switch_one_rank_unchanged, root), "offline": case(offline),
+            "placement": case(_placement, root)}
 
 
 @pytest.fixture(scope="module")
@@ -493,6 +519,17 @@ def _results(at_1x2, key: str) -> list:
     for r in out:
         assert not isinstance(r, str), r  # the traceback of a case that raised
     return out
+
+
+def test_checkpoints_under_tensor_parallelism_do_not_depend_on_the_placement(at_1x2):
+    """Issue 28: saved at 0.5 under tensor parallelism, resumed at 0.5 bit-equal (sharded) and
+    at 1.0 and 0.0 within 1e-6, sharded and consolidated."""
+    for r in _results(at_1x2, "placement"):
+        assert 0 < r["resident"] < r["buckets"]
+        assert r[("placed", 0.5)][0]
+        for key, value in r.items():
+            if isinstance(key, tuple):
+                assert value[1] < 1e-6, (key, value)
 
 
 def test_tensor_parallel_shards_are_not_consolidated_offline(at_1x2):
