@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.placement import device_bytes, host_numel
 from lightning_zero_offload.core.preflight import check_lazy_fp32
 from lightning_zero_offload.core.stage import DeviceStage, HostStage
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
-from lightning_zero_offload.ops.moments import Moments, moment_bytes
+from lightning_zero_offload.ops.moments import Moments
 
 _SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
 _MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)
@@ -112,7 +113,8 @@ def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.
     it consumed: no separate output buffer)."""
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     sets = 2 if delayed else 1
-    parts = {"master": 4 * n, "moments": sum(moment_bytes(k, moment_dtype) for k in group_shards),
+    parts = {"master": 4 * n,
+             "moments": sum(rule.state_bytes(k, moment_dtype) for k in group_shards),
              "grad_fp32": 4 * n * sets if accumulate or not asynchronous else 0}
     if pinned and dtype == torch.float32:  # "32-true" on CUDA: the master is the pinned source
         parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
@@ -368,7 +370,7 @@ class HostBuffers:
     def allocated_bytes(self) -> int:
         """Bytes of everything allocated so far (at most ``sizes.total``)."""
         out = sum(t.numel() * 4 for t in self.master)
-        out += sum(moment_bytes(m.numel, m.moment_dtype) for m in self.moments)
+        out += sum(m.nbytes for m in self.moments)
         return out + sum(s.nbytes() for s in (self.grads, self.spare) if s is not None)
 
     def free(self) -> None:

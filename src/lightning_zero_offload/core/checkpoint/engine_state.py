@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import collectives, shard_view
+from lightning_zero_offload.core import collectives, rule, shard_view
 from lightning_zero_offload.core.checkpoint import agreement, files, formats, validation
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
@@ -194,7 +194,7 @@ class EngineState:
         if "optimizer" in full:
             states = full["optimizer"]["state"]
             for i in sorted(states):
-                for key in ("exp_avg", "exp_avg_sq"):
+                for key in rule.STATE_NAMES:
                     states[i][key] = tp.whole_value(params[i], states[i][key])
         return full
 
@@ -206,7 +206,7 @@ class EngineState:
         model = {k: tp.local_value(names[k], v) for k, v in model.items()}
         if opt is not None:
             opt = {**opt, "state": {i: {**st, **{key: tp.local_value(params[i], st[key])
-                                                   for key in ("exp_avg", "exp_avg_sq")}}
+                                                   for key in rule.STATE_NAMES}}
                                     for i, st in opt["state"].items()}}
         return model, opt
 

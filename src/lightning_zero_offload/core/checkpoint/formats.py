@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.ops.moments import Moments
 
 # /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")
@@ -84,7 +85,7 @@ def consolidate(shards: list[dict]) -> dict:
             f"consolidate: the checkpoint was written by {world} ranks but shards for ranks "
             f"{sorted(by_rank)} were found; all {world} shard files are needed"
         )
-    keys = ("master", "exp_avg", "exp_avg_sq")
+    keys = ("master", *rule.STATE_NAMES)
     flats = {k: [torch.zeros(n) for n in desc["group_numel"]] for k in keys}
     for g, start, numel, host in desc["buckets"]:
         size = numel // world
