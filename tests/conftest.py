@@ -8,6 +8,15 @@ from _helpers import compiled_kernel
 
 
 @pytest.fixture
+def one_thread():
+    """torch on one thread for the test (results that must not depend on thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def isolated_process_group():
     """Lightning's DDP-based strategies leave a 1-rank process group and MASTER_PORT behind
     (by design, so fit can run again); later multi-process tests need neither."""

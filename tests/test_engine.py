@@ -13,13 +13,7 @@ from torch import nn
 
 from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
 
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(steps: int, clip: float | None = None, optim=torch.optim.AdamW, seed: int = 0,

@@ -20,12 +20,7 @@ from lightning_zero_offload.core import placement
 STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(steps: int = STEPS, micro: int = 2, clip: float = 1.0) -> torch.nn.Module:
