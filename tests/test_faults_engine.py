@@ -289,3 +289,25 @@ def test_reported_rewraps_a_lost_peer_but_not_a_local_error() -> None:
     with pytest.raises(collectives.CollectiveError, match="the forward on rank 0 failed"):
         with collectives.reported("the forward", None):
             raise lost
+
+
+def test_the_first_failure_note_stays_when_two_ranks_fail_at_once(monkeypatch) -> None:
+    """Two ranks failing together both leave a note: the first one written stays. The store
+    here never shows a key to ``check``, as a peer's note in flight would not be seen yet; a
+    check-then-set would let the second note overwrite the first."""
+    import torch.distributed as dist
+
+    from lightning_zero_offload.core import collectives
+
+    class InFlight(dist.HashStore):
+        def check(self, keys: list[str]) -> bool:  # the peer's note is not seen yet
+            return False
+
+    store = InFlight()
+    monkeypatch.setattr(collectives, "_store", lambda: store)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for rank, error in ((1, MemoryError("host short")), (0, ValueError("later"))):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        collectives.report_failure(error)
+    assert store.get(collectives._KEY).decode() == "rank 1: MemoryError: host short"

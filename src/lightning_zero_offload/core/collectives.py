@@ -101,11 +101,15 @@ def report_failure(error: BaseException) -> None:
     """Leave a note for the peers, unless one is there: this process (its global rank) failed
     with ``error`` (best effort; alone, there are none)."""
     store = _store() if dist.is_initialized() and dist.get_world_size() > 1 else None
-    if store is not None and _failed_peer() is None:  # the first failure is the news
-        try:
-            store.set(_KEY, f"rank {dist.get_rank()}: {type(error).__name__}: {error}"[:2000])
-        except Exception:  # the store may be gone with the peer that hosted it
-            pass
+    if store is None:
+        return
+    note = f"rank {dist.get_rank()}: {type(error).__name__}: {error}"[:2000]
+    try:
+        # Set only if absent, in one store operation: the first failure is the news, also when
+        # two ranks fail at once (a check, then a set, lets the second overwrite the first).
+        store.compare_set(_KEY, "", note)
+    except Exception:  # the store may be gone with the peer that hosted it
+        pass
 
 
 def raise_unless_failing(broken: Exception | None, failure: BaseException | None) -> None:
