@@ -168,6 +168,28 @@ def test_fabric_checkpoint_is_checked(tmp_path):
     fabric.strategy.teardown()
 
 
+def test_fabric_load_without_the_offloaded_objects_is_checked_too(tmp_path):
+    """``fabric.load(path)`` (or a dict of other state only) reads the same file: its checksum
+    is verified and removed, so a damaged file is refused and the returned dict is the user's."""
+    fabric, state = fabric_state()
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {**state, "step": 7})
+    whole = fabric.load(path)
+    assert files.CHECKSUM_KEY not in whole and whole["step"] == 7
+    assert torch.equal(whole["model"]["0.weight"], state["model"].module[0].weight)
+    counters = {"step": 0}
+    assert set(fabric.load(path, counters)) == {"model", "optimizer"} and counters["step"] == 7
+    data = bytearray(path.read_bytes())
+    weight = whole["model"]["0.weight"].numpy().tobytes()
+    at = data.find(weight) + len(weight) // 2
+    data[at:at + 8] = bytes(b ^ 0xFF for b in data[at:at + 8])
+    path.write_bytes(bytes(data))
+    for target in (None, {"step": 0}):
+        with pytest.raises(CheckpointError, match="is damaged"):
+            fabric.load(path, target)
+    fabric.strategy.teardown()
+
+
 @pytest.mark.parametrize("error", [ConnectionError("remote store unreachable"),
                                    MemoryError("host out of memory"),
                                    OSError(5, "Input/output error")])

@@ -269,26 +269,28 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
                 "fabric.load(path, {'model': model, 'optimizer': optimizer})"
             )
         owned = self._owned_keys(state) if isinstance(state, dict) else {}
-        if not owned:
-            if ckpt.is_sharded(path):
-                raise ValueError("A sharded zero_offload checkpoint loads into the set-up model")
-            return super().load_checkpoint(path, state, strict, weights_only)
-        assert isinstance(state, dict)
-        engine = self._engine()
         if ckpt.is_sharded(path):
+            if not owned:
+                raise ValueError("A sharded zero_offload checkpoint loads into the set-up model")
             checkpoint = ckpt.load_sharded_meta(path, weights_only)
-            engine.load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
+            self._engine().load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
             checkpoint.pop(_OWNED, None)
-        else:
+        elif state is not None and not isinstance(state, dict):
+            # A module or optimizer of the user's own, from a file of its own.
+            return super().load_checkpoint(path, state, strict, weights_only)
+        else:  # also without the offloaded objects: the checksum is verified and removed
             load = functools.partial(self.checkpoint_io.load_checkpoint, path,
                                      weights_only=weights_only)
             checkpoint = ckpt.load_single(path, load, owned)
             entries = {kind: checkpoint.pop(key) for key, kind in owned.items()}
-            if "model" not in entries:
+            if entries and "model" not in entries:
                 raise ValueError("Load the optimizer state together with its model")
-            engine.load_full_state_dict(
-                ckpt.full_state(entries["model"], entries.get("optimizer"))
-            )
+            if entries:
+                self._engine().load_full_state_dict(
+                    ckpt.full_state(entries["model"], entries.get("optimizer"))
+                )
+        if state is None:
+            return checkpoint
         rest = {k: v for k, v in state.items() if k not in owned}
         missing = [k for k in rest if k not in checkpoint]
         if strict and missing:
@@ -298,7 +300,9 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             )
         for name, obj in rest.items():
             if name in checkpoint:
-                if isinstance(obj, _Stateful):
+                if isinstance(obj, Module):
+                    obj.load_state_dict(checkpoint.pop(name), strict=strict)
+                elif isinstance(obj, _Stateful):
                     obj.load_state_dict(checkpoint.pop(name))
                 else:
                     state[name] = checkpoint.pop(name)
