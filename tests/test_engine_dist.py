@@ -43,6 +43,13 @@ def _ranks_train(rank: int, world: int) -> dict:
     engine = _engine("bf16-mixed")
     train(engine, _split(batches(4), rank, world))
     out["bf16"] = _params(engine)
+    master = engine.full_state_dict(optimizer=False)["model"]
+    try:
+        raise KeyError("the caller's own error, handled")
+    except KeyError:  # a run that ended well, torn down inside the caller's handler
+        engine.teardown(copy_weights_to_module=True, keep_state=True, failure=None)
+    out["restored"] = [torch.equal(p, master[n]) for n, p in engine.module.named_parameters()]
+    out["readable"] = engine.full_state_dict(optimizer=False)["model"].keys() == master.keys()
     return out
 
 
@@ -76,6 +83,8 @@ def test_two_ranks_equal_one_rank():
                            for k in st)
     for a, b in zip(two[0]["bf16"], two[1]["bf16"], strict=True):
         assert torch.equal(a, b)
+    for r in range(2):  # teardown(failure=None) in a handler: fp32 weights back, state readable
+        assert two[r]["restored"] and all(two[r]["restored"]) and two[r]["readable"]
 
 
 def _save_then_continue(rank: int, world: int, path: str) -> list:

@@ -756,3 +756,27 @@ def test_lightning_load_from_checkpoint_of_a_sharded_folder_says_what_to_do(tmp_
         LightningModule.load_from_checkpoint(folder)
     with pytest.raises(FileNotFoundError):  # other paths reach Lightning's loader unchanged
         LightningModule.load_from_checkpoint(tmp_path / "absent.ckpt")
+
+
+class _FailsAtStep2(Net):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise ValueError("the user's training_step failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_inside_the_users_except_block_is_not_a_failure(tmp_path, monkeypatch):
+    """``trainer.fit`` called while the user handles an error of their own (a retry, a fallback)
+    ends as a fit that went well: no failure is reported to the peers (on several ranks that
+    would skip gathering the weights back); a fit that fails reports its own error."""
+    from lightning_zero_offload.core import collectives
+
+    reported: list[BaseException] = []
+    monkeypatch.setattr(collectives, "report_failure", reported.append)
+    try:
+        raise KeyError("the user's own, handled")
+    except KeyError:
+        fit(Net, "zero_offload", tmp_path / "ok")
+        with pytest.raises(ValueError, match="training_step failed"):
+            fit(_FailsAtStep2, "zero_offload", tmp_path / "failed")
+    assert reported and {type(e) for e in reported} == {ValueError}  # never the KeyError

@@ -293,3 +293,22 @@ def test_training_logs_carry_the_offload_profile(tmp_path):
     assert logs and all(h["zero_offload/cpu_step_ms"] > 0 and h["zero_offload/fwd_bwd_ms"] > 0
                         for h in logs[1:])
     assert {f"zero_offload/{k}_ms" for k in ("grad_wait", "weight_copy", "stall")} <= set(logs[-1])
+
+
+def test_train_inside_the_users_except_block_is_not_a_failure(tmp_path, monkeypatch):
+    """The common fallback ``except ValueError: trainer.train()`` (no checkpoint to resume
+    from): the run that went well is not reported as failed (on several ranks that would skip
+    gathering the fp32 weights back and free the state save_model needs)."""
+    from lightning_zero_offload.core import collectives
+
+    reported: list[BaseException] = []
+    monkeypatch.setattr(collectives, "report_failure", reported.append)
+    trainer = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(),
+                                 args=_args(tmp_path / "o", ZeroOffloadTrainingArguments,
+                                            zero_offload=True, max_steps=2))
+    try:
+        trainer.train(resume_from_checkpoint=True)
+    except ValueError as e:
+        assert "checkpoint" in str(e)
+        trainer.train()
+    assert reported == []

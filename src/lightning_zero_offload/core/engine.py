@@ -11,6 +11,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable, Iterator
+from types import EllipsisType
 from typing import Any
 
 import torch
@@ -330,14 +331,16 @@ class ZeroOffload:
 
     # -- teardown -----------------------------------------------------------------------------
     def teardown(self, *, copy_weights_to_module: bool = True, keep_state: bool = False,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 failure: BaseException | None | EllipsisType = ...) -> None:
         """Remove hooks, free buffers. ``copy_weights_to_module`` (collective): ordinary fp32
         parameters (on ``device``, default the compute device), other tensors' dtypes restored.
-        ``keep_state``: ``state_dict``/``full_state_dict``/``save_checkpoint`` still work."""
+        ``keep_state``: the state can still be read and saved. ``failure``: the error ending the
+        run, or None (default: the one handled here); then no collective starts, peers time out."""
         if self._closed:
             return
-        error, broken = sys.exc_info()[1], None  # broken: a failed pending step
-        if error is not None:  # a framework's handler: start no collective; peers time out
+        error, broken = (sys.exc_info()[1] if failure is ... else failure), None
+        if error is not None:
             collectives.report_failure(error)
             copy_weights_to_module &= self.world_size == 1
         try:
@@ -354,8 +357,7 @@ class ZeroOffload:
         self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
         try:
             if copy_weights_to_module:
-                self._weights.restore(self._state.gather_full(self._state.masters()),
-                                      torch.device(device) if device is not None else None)
+                self._weights.restore(self._state.gather_full(self._state.masters()), device)
         except Exception as e:
             broken = broken or e
         self._weights.free()

@@ -153,10 +153,10 @@ class DeviceWeights:
                 self.frozen[id(t)].copy_(state[name])
 
     # -- teardown -----------------------------------------------------------------------------
-    def restore(self, full_master: list[Tensor], device: torch.device | None = None) -> None:
+    def restore(self, full_master: list[Tensor], device: torch.device | str | None = None) -> None:
         """Ordinary parameters holding the fp32 master weights, other tensors in their original
         dtypes, frozen parameters exact; on ``device`` (default: the compute device)."""
-        device = device or self.dev.device
+        device = torch.device(device) if device is not None else self.dev.device
         with torch.no_grad():
             for slot in self.layout.slots:
                 flat = full_master[slot.group][slot.offset : slot.offset + slot.numel]

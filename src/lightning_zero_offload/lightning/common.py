@@ -13,6 +13,7 @@ import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from types import EllipsisType
 
 import torch
 import torch.distributed as dist
@@ -146,11 +147,12 @@ class EngineOwner:
                                   device=device, device_mesh=mesh)
         return optimizer, self.engine
 
-    def _stop_engine(self) -> None:
+    def _stop_engine(self, failure: BaseException | None | EllipsisType = ...) -> None:
         """Collective: the engine's fp32 master weights go back into the module; its host state
-        is kept for a save after training (``trainer.save_checkpoint`` once ``fit`` returned)."""
+        is kept for a save after training (``trainer.save_checkpoint`` once ``fit`` returned).
+        ``failure``: the error ending the run (see ``ZeroOffload.teardown``)."""
         if self.engine is not None:
-            self.engine.teardown(copy_weights_to_module=True, keep_state=True)
+            self.engine.teardown(copy_weights_to_module=True, keep_state=True, failure=failure)
             self.finished_engine, self.engine = self.engine, None
 
 

@@ -275,7 +275,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             checkpoint = ckpt.load_sharded_meta(path, weights_only)
             self._engine().load_checkpoint(checkpoint.pop(ckpt.SHARDED_KEY))
             checkpoint.pop(_OWNED, None)
-        elif state is not None and not isinstance(state, dict):
+        elif not isinstance(state, (dict, type(None))):
             # A module or optimizer of the user's own, from a file of its own.
             return super().load_checkpoint(path, state, strict, weights_only)
         else:  # also without the offloaded objects: the checksum is verified and removed
@@ -289,7 +289,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
                 self._engine().load_full_state_dict(
                     ckpt.full_state(entries["model"], entries.get("optimizer"))
                 )
-        if state is None:
+        if not isinstance(state, dict):
             return checkpoint
         rest = {k: v for k, v in state.items() if k not in owned}
         missing = [k for k in rest if k not in checkpoint]

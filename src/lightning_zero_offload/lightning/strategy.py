@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any, Literal
@@ -117,6 +116,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
         self._device_mesh: Any = None
         self._default_precision = ZeroOffloadPrecision("32-true")
+        self._failure: BaseException | None = None  # the error ending this fit (on_exception)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -249,11 +249,18 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             self.model.to(self.root_device)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning's handler of a fit's error calls this, then teardown. Not sys.exc_info() in
+        # teardown: a fit called inside the user's own `except` block would look failed.
+        self._failure = exception
+        super().on_exception(exception)
+
+    @override
     def teardown(self) -> None:
-        # Lightning tears down inside its handler of a fit's error: that error must surface as
-        # itself (moving DTensor parameters with .cpu() fails while its traceback holds a graph)
-        failure, first = sys.exc_info()[1], None
-        for step in (self._stop_engine, super().teardown):  # both run, whatever the first does
+        # That error must surface as itself (moving DTensor parameters with .cpu() fails while
+        # its traceback holds a graph)
+        failure, first, self._failure = self._failure, None, None
+        for step in (functools.partial(self._stop_engine, failure), super().teardown):
             try:
                 step()
             except Exception as e:

@@ -155,7 +155,7 @@ class ZeroOffloadMixin(_TrainerBase):
             # merge_and_unload and push_to_hub export them unrounded); the engine's state stays
             # readable for save_model/save_state.
             engine.teardown(copy_weights_to_module=True, keep_state=True,
-                            device=_fp32_home(engine))
+                            device=_fp32_home(engine), failure=None)  # train() returned
         return output
 
     @override
