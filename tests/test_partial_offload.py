@@ -5,7 +5,12 @@ on the placement, and ``"auto"`` moves what the emulated device's capacity allow
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -179,6 +184,61 @@ def test_auto_moves_what_the_capacity_allows_and_trains_on():
     # (an emulated device with a capacity has memory of its own, as a GPU: not host bytes)
     assert probe.host_bytes - engine.host_bytes == 20 * moved
     assert rel_err(engine.module, reference()) < 1e-6
+
+
+# One engine on the emulated device, all host at setup; at the first step "auto" moves the last
+# quarter of its buckets. Prints the RSS peak inside the host's move over the RSS before it.
+MOVE_PEAK_SCRIPT = r"""
+import json, torch
+from torch import nn
+import lightning_zero_offload as zo
+from lightning_zero_offload import testing
+from lightning_zero_offload.core import placement
+from lightning_zero_offload.core.host import HostBuffers
+
+def status(key):
+    return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
+
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)])
+with testing.emulated_async_device(seed=1, memory_bytes=1 << 40) as made:
+    engine = zo.ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true",
+                            bucket_size_mb=4)
+shards = [b.shard for b in engine.layout.buckets]
+need = sum(placement.bucket_device_bytes(s, torch.float32, False) for s in shards[-4:])
+made[0].memory = lambda: (0, int(need / 0.8) + 1)  # room for the last 4 buckets' state
+real, seen = HostBuffers.move_to_device, {}
+
+def move(self, resident):
+    seen["state"] = sum(t.numel() * 4 for t in self.master) + sum(m.nbytes for m in self.moments)
+    seen["before"] = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    out = real(self, resident)
+    seen["over"] = status("VmHWM") - seen["before"]
+    return out
+
+HostBuffers.move_to_device = move
+model(torch.randn(8, 1024)).square().mean().backward()
+engine.step()
+print(json.dumps({**seen, "moved": len(engine._host.resident)}))
+"""
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc")
+def test_an_auto_move_takes_no_host_memory_beyond_what_the_host_held():
+    """The host is what runs short: moving buckets onto the device must not hold the host's old
+    state and its shorter copy at once (a second set would need up to 12 more bytes per
+    parameter, the moment the host is fullest). The gradients go first, the arrays are replaced
+    one by one, and no view keeps an old array alive."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+           "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # frees show in RSS
+    proc = subprocess.run([sys.executable, "-c", MOVE_PEAK_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["moved"] == 4
+    assert got["over"] <= 0.05 * got["state"], got  # before: the shorter state's whole size
 
 
 def test_a_failed_auto_move_leaves_the_run_as_it_was(caplog, monkeypatch):

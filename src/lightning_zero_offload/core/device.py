@@ -206,6 +206,9 @@ class SyncDevice:
     def reset_peak_memory(self) -> None:
         pass
 
+    def release_host_cache(self) -> None:
+        """Freed pinned host blocks back to the system (only CUDA caches them)."""
+
     def close(self) -> None:
         self._pool = []
 
@@ -304,9 +307,12 @@ class CudaDevice(SyncDevice):
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def close(self) -> None:
-        self._tasks.shutdown(wait=True)
+    def release_host_cache(self) -> None:
         # Pinned blocks freed by the engine stay cached by torch's host allocator otherwise.
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None:
             empty_host_cache()
+
+    def close(self) -> None:
+        self._tasks.shutdown(wait=True)
+        self.release_host_cache()

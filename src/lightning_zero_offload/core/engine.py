@@ -210,8 +210,8 @@ class ZeroOffload:
         self._delayed.join()
         self._streamer.drain()
         self._dev.synchronize()
-        if self._part.move(self._host, self.host_budget):
-            self._streamer.buffers_replaced()
+        self._streamer.buffers_replaced()  # its views of the host gradients go before a move
+        self._part.move(self._host, self.host_budget)
 
     @property
     def offload_fraction(self) -> float:

@@ -350,18 +350,17 @@ class HostBuffers:
         self.resident = resident = [*resident, *self.resident]
         n = host_numel(self.layout, len(resident))
         half = dtype != torch.float32
-        master = [torch.empty(k, pin_memory=pinned and not half) for k in n]
-        for new, old in zip(master, self.master, strict=True):
-            new.copy_(old[: new.numel()])
-        self.master = master
-        moments = [Moments.zeros(k, self.moment_dtype) for k in n]
-        for new_m, old_m in zip(moments, self.moments, strict=True):
-            new_m.copy_(old_m.chunk(0, new_m.numel))
-        self.moments = moments
+        # The host is what runs short: the gradients go first (they are rebuilt), then each
+        # array is replaced by its shorter copy before the next is made, so the host holds at
+        # most one new array more than before the move, not a second set of state.
         had_fp32 = self.grads.fp32 is not None
         for s in (self.grads, self.spare):
             if s is not None:
                 s.free()
+        for g, k in enumerate(n):
+            master = torch.empty(k, pin_memory=pinned and not half)
+            self.master[g] = master.copy_(self.master[g][:k])
+            self.moments[g].keep_prefix_(k)
         self.grads = GradSet(self.layout, dtype, asynchronous, pinned, resident)
         self.spare = (GradSet(self.layout, dtype, asynchronous, pinned, resident)
                       if self.spare is not None else None)

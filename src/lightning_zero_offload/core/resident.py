@@ -155,11 +155,7 @@ class DevicePart:
         try:
             made = self._make(range(n_host - more, n_host))
             for stage in made:
-                master, moments = host.state(stage.b)
-                stage.master.copy_(master)
-                m, v = moments.to_fp32()
-                stage.exp_avg.copy_(m)
-                stage.exp_avg_sq.copy_(v)
+                _take_state(stage, host)
             ok = 1
         except torch.OutOfMemoryError as e:
             logger.warning("ZeroOffload: offload_fraction='auto' could not move %d more "
@@ -175,9 +171,21 @@ class DevicePart:
                                "as it was")
             return False
         host.move_to_device(made)
+        self.dev.release_host_cache()  # the old pinned arrays are the host's to use again
         self.count += more
         budget.clear()
         budget.update(self._budget(self.count, accumulating or self.accumulate))
         logger.info("ZeroOffload: offload_fraction='auto' moved %d buckets onto the device; "
                     "offload_fraction is now %.4f", more, self.resolved)
         return True
+
+
+def _take_state(stage: DeviceStage, host: HostBuffers) -> None:
+    """``stage`` gets its bucket's master and moments from ``host``. A function of its own: the
+    host views die with it, since a view left in the caller would keep the host's whole old
+    arrays alive while ``move_to_device`` makes the shorter ones."""
+    master, moments = host.state(stage.b)
+    stage.master.copy_(master)
+    m, v = moments.to_fp32()
+    stage.exp_avg.copy_(m)
+    stage.exp_avg_sq.copy_(v)

@@ -332,8 +332,8 @@ class GradStreamer:
         return self._sources
 
     def buffers_replaced(self) -> None:
-        """The host gradient sets were rebuilt (``offload_fraction="auto"`` moved buckets):
-        the step's sources are computed anew."""
+        """The host gradient sets may be rebuilt (``offload_fraction="auto"`` moves buckets):
+        the step's sources are computed anew, and this side keeps no view of the old ones."""
         self._sources = None
 
     def consumed(self, sources: list[Tensor]) -> None:

@@ -314,6 +314,16 @@ class Moments:
                        self.exp_avg_scales[b0:b1], self.exp_avg_sq_scales[b0:b1],
                        offset=self.offset + start)
 
+    def keep_prefix_(self, numel: int) -> None:
+        """Keep elements ``[0, numel)`` only, in new smaller arrays, one array at a time: while
+        it runs, memory holds the old arrays plus one new one (a whole new set would double it).
+        For ``"int8"``, ``numel`` ends on a block boundary or the buffer's end (as ``chunk``)."""
+        view = self.chunk(0, numel)
+        for name in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(view, name).clone())
+                setattr(view, name, None)  # the old storage goes with its last view
+
     def kernel_args(self) -> dict:
         """Keyword arguments of ``ops.fused_adamw_`` for these moments."""
         return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
