@@ -209,12 +209,12 @@ need = sum(placement.bucket_device_bytes(s, torch.float32, False) for s in shard
 made[0].memory = lambda: (0, int(need / 0.8) + 1)  # room for the last 4 buckets' state
 real, seen = HostBuffers.move_to_device, {}
 
-def move(self, resident):
+def move(self, resident, release):
     seen["state"] = sum(t.numel() * 4 for t in self.master) + sum(m.nbytes for m in self.moments)
     seen["before"] = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    out = real(self, resident)
+    out = real(self, resident, release)
     seen["over"] = status("VmHWM") - seen["before"]
     return out
 
@@ -239,6 +239,21 @@ def test_an_auto_move_takes_no_host_memory_beyond_what_the_host_held():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["moved"] == 4
     assert got["over"] <= 0.05 * got["state"], got  # before: the shorter state's whole size
+
+
+def test_an_auto_move_that_fails_on_the_host_side_says_the_engine_cannot_go_on(monkeypatch):
+    """Past the device side, the host's arrays are replaced one by one: a failure there (the
+    host out of memory) leaves nothing to step from, and the error says so and what to do."""
+    from lightning_zero_offload.ops.moments import Moments
+
+    engine, _ = _emulated(1 << 30)
+
+    def fail(self, numel):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+    monkeypatch.setattr(Moments, "keep_prefix_", fail)
+    with pytest.raises(RuntimeError, match="failed while moving .* cannot go on. Resume from "
+                       "your last checkpoint; to avoid the move, set offload_fraction=1.0000"):
+        train(engine, batches(1), micro=2)
 
 
 def test_a_failed_auto_move_leaves_the_run_as_it_was(caplog, monkeypatch):

@@ -6,6 +6,7 @@ on 4 data-parallel ranks without tensor parallelism."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -162,12 +163,32 @@ def _host_state(rank: int, world: int, dp: int, tp: int) -> dict:
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     engine = ZeroOffload(model, opt, device_mesh=mesh, device="cpu", precision="32-true",
                          accumulate=True)
-    parts = dict(engine.host_budget)
+    parts: dict = dict(engine.host_budget)
     engine.teardown(copy_weights_to_module=False)
+    if tp > 1:  # the same processes: global rank 3 (data-parallel rank 1) differs
+        parts["refused"] = [_refused(rank, mesh, what) for what in ("buffer", "groups")]
     return parts
 
 
+def _refused(rank: int, mesh: Any, what: str) -> str:
+    """The setup error of an engine whose model differs on global rank 3: an extra buffer (its
+    tensor-parallel peer would wait in the broadcast of buffers), or other optimizer groups."""
+    model = make(0, dim=128, vocab=256)
+    parallelize(model, mesh["tensor_parallel"])
+    if rank == 3 and what == "buffer":
+        model.register_buffer("extra", torch.zeros(3))
+    groups = param_groups(model) if rank == 3 and what == "groups" else model.parameters()
+    try:
+        ZeroOffload(model, torch.optim.AdamW(groups), device_mesh=mesh, device="cpu",
+                    collective_timeout_s=60)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_host_state_per_rank_at_dp2_tp2_is_a_quarter():
+    """Also: a model that differs on one process is refused on every process of the mesh (not
+    only in its data-parallel group), naming that process by its global rank."""
     one = run_ranks(_host_state, 1, 1, 1)[0]
     four = run_ranks(_host_state, 4, 2, 2)
     whole = sum(one[k] for k in _STATE)
@@ -175,6 +196,11 @@ def test_host_state_per_rank_at_dp2_tp2_is_a_quarter():
     for parts in four:
         ratio = sum(parts[k] for k in _STATE) / whole
         assert abs(ratio - 0.25) < 0.25 * 0.02
+        buffer, groups = parts["refused"]  # refused on every process, naming global rank 3
+        assert "plans differ: rank 3 has 26 parameters and buffers where rank 0 has 25" in buffer
+        assert ("the ranks hold different models: rank 3 (data-parallel rank 1) has "
+                in groups), groups
+        assert "where rank 1 (data-parallel rank 0) has" in groups, groups
 
 
 # -- what is refused at setup -------------------------------------------------------------------

@@ -25,6 +25,7 @@ check; False refuses such a backward.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -342,10 +343,12 @@ class HostBuffers:
         used, self.grads, self.spare = self.grads, spare, self.grads
         return used
 
-    def move_to_device(self, resident: list[DeviceStage]) -> dict[str, int]:
+    def move_to_device(self, resident: list[DeviceStage],
+                       release: Callable[[], None] = lambda: None) -> dict[str, int]:
         """``resident`` (the stages of more trailing buckets, their state already copied from
         here) takes their state over: the host keeps a shorter prefix of every group in new
-        arrays and the old ones go. Between steps, nothing in flight. Returns the new sizes."""
+        arrays and the old ones go. Between steps, nothing in flight. ``release`` returns freed
+        pinned blocks to the system (CUDA caches them). Returns the new sizes."""
         dtype, asynchronous, pinned = self._args
         self.resident = resident = [*resident, *self.resident]
         n = host_numel(self.layout, len(resident))
@@ -357,9 +360,12 @@ class HostBuffers:
         for s in (self.grads, self.spare):
             if s is not None:
                 s.free()
+        release()
         for g, k in enumerate(n):
             master = torch.empty(k, pin_memory=pinned and not half)
             self.master[g] = master.copy_(self.master[g][:k])
+            if pinned and not half:
+                release()
             self.moments[g].keep_prefix_(k)
         self.grads = GradSet(self.layout, dtype, asynchronous, pinned, resident)
         self.spare = (GradSet(self.layout, dtype, asynchronous, pinned, resident)

@@ -55,7 +55,7 @@ def start(layout: Layout, module: nn.Module, group: Any, device: torch.device, t
         error = None
     if several and dist.get_world_size(group) > 1:
         logger.debug("setup: agreeing with the other ranks (model, host memory checks)")
-        agree(layout, module, group, error)
+        agree(layout, module, group, error, every_process=tp is not None)
         logger.debug("setup: agreed; taking rank 0's starting weights and buffers")
         broadcast_start(layout, module, group, collectives.collective_device(group, device))
         logger.debug("setup: rank 0's starting weights taken")
@@ -76,27 +76,47 @@ def _raise_first(failures: list[tuple[str, tuple[str, str] | None]]) -> None:
                        "every rank stops here")
 
 
-def agree(layout: Layout, module: nn.Module, group: Any,
-          local_error: Exception | None) -> None:
+def agree(layout: Layout, module: nn.Module, group: Any, local_error: Exception | None, *,
+          every_process: bool = False) -> None:
     """Collective (one small object all-gather). Every rank raises the same error when any rank
     failed its local setup checks (``local_error``, e.g. not enough host memory) or holds a
-    different model; otherwise returns on every rank."""
+    different model; otherwise returns on every rank. Ranks are named by their global rank.
+    ``every_process`` (tensor parallelism: ``group`` is one data-parallel group of the mesh): a
+    model difference found in one group is raised on every process, not only in that group."""
     desc = _describe(layout, module)
     mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), _failure(local_error))
     every = collectives.gather_objects("setup check of every rank", mine, group)
-    _raise_first([(f"rank {r}", err) for r, (_, err) in enumerate(every)])
-    if all(d == every[0][0] for d, _ in every):
-        return
-    descs = collectives.gather_objects("setup check of every rank", desc, group)
+    _raise_first([(_who(group, r), err) for r, (_, err) in enumerate(every)])
+    difference = None
+    if any(d != every[0][0] for d, _ in every):
+        descs = collectives.gather_objects("setup check of every rank", desc, group)
+        difference = _difference(descs, group)
+    if every_process:
+        found = collectives.gather_objects("model check of every process", difference)
+        difference = next((d for d in found if d is not None), None)
+    if difference is not None:
+        raise ValueError(f"ZeroOffload: the ranks hold different models: {difference}. Build "
+                         "the same model and optimizer groups on every rank (as DDP requires).")
+
+
+def _who(group: Any, r: int) -> str:
+    """Rank ``r`` of ``group`` by its global rank (and its rank in the group where they differ)."""
+    g = dist.get_global_rank(group, r) if group is not None else r
+    return f"rank {g}" if g == r else f"rank {g} (data-parallel rank {r})"
+
+
+def _difference(descs: list[list[str]], group: Any) -> str | None:
+    """Where the first rank whose description differs from rank 0's departs from it."""
     for r, other in enumerate(descs):
         first = next(((i, a, b) for i, (a, b) in enumerate(zip(descs[0], other, strict=False))
                       if a != b), None)
         if first is None and len(other) == len(descs[0]):
             continue
-        where = (f"rank {r} has {first[2]} where rank 0 has {first[1]}" if first else
-                 f"rank {r} has {len(other)} parameters and buffers, rank 0 {len(descs[0])}")
-        raise ValueError(f"ZeroOffload: the ranks hold different models: {where}. Build the "
-                         "same model and optimizer groups on every rank (as DDP requires).")
+        if first is not None:
+            return f"{_who(group, r)} has {first[2]} where {_who(group, 0)} has {first[1]}"
+        return (f"{_who(group, r)} has {len(other)} parameters and buffers, {_who(group, 0)} "
+                f"{len(descs[0])}")
+    return None
 
 
 @torch.no_grad()

@@ -170,8 +170,14 @@ class DevicePart:
                                "move its optimizer state onto the device; every rank goes on "
                                "as it was")
             return False
-        host.move_to_device(made)
-        self.dev.release_host_cache()  # the old pinned arrays are the host's to use again
+        try:
+            host.move_to_device(made, self.dev.release_host_cache)
+        except Exception as e:  # the host's arrays are half replaced: nothing to step from
+            raise RuntimeError(
+                f"ZeroOffload: offload_fraction='auto' failed while moving {more} buckets' "
+                f"optimizer state onto the device, part-way through the host's side ({e}); this "
+                "engine cannot go on. Resume from your last checkpoint; to avoid the move, set "
+                f"offload_fraction={self.resolved:.4f} (where it was) or another number") from e
         self.count += more
         budget.clear()
         budget.update(self._budget(self.count, accumulating or self.accumulate))

@@ -217,17 +217,20 @@ def _local_desc(p: Tensor, tp: TensorParallel) -> str:
 
 def _agree(module: nn.Module, mesh: Any, tp: TensorParallel) -> None:
     """Collective over every process: the same mesh, placements and cut of each sharded
-    parameter (its chunk sizes, equal on every rank even when uneven)."""
+    parameter (its chunk sizes, equal on every rank even when uneven), and the same dtypes and
+    buffers (the broadcast over the tensor-parallel group that follows sends them all)."""
     desc = [f"mesh {tuple(mesh.mesh.shape)} {mesh.mesh_dim_names} {mesh.mesh.tolist()}"]
-    desc += [f"parameter {n!r}: {tuple(p.shape)} {getattr(p, 'placements', 'plain')}"
+    desc += [f"parameter {n!r}: {tuple(p.shape)} {p.dtype} {getattr(p, 'placements', 'plain')}"
              f"{_local_desc(p, tp)}" for n, p in module.named_parameters()]
+    desc += [f"buffer {n!r}: {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
     mine = (hashlib.sha256("\n".join(desc).encode()).hexdigest(), desc)
     every = collectives.gather_objects("setup check of the device mesh", mine)
     for r, (digest, other) in enumerate(every):
         if digest != every[0][0]:
             diff = next((f"{b} where rank 0 has {a}" for a, b in zip(every[0][1], other,
                                                                       strict=False) if a != b),
-                        f"{len(other)} parameters where rank 0 has {len(every[0][1])}")
+                        f"{len(other) - 1} parameters and buffers where rank 0 has "
+                        f"{len(every[0][1]) - 1}")
             raise ValueError(f"ZeroOffload: the ranks' device meshes or tensor-parallel plans "
                              f"differ: rank {r} has {diff}. Build the same mesh and call "
                              "parallelize_module with the same plan on every rank.")

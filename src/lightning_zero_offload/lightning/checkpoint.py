@@ -104,7 +104,8 @@ def _damaged(path: _PATH, cause: BaseException) -> None:
 
 def load_single(path: _PATH, load: Callable[[], Any], entries: Collection[str]) -> dict[str, Any]:
     """``load()``'s single-file checkpoint with its checksum verified and removed; ``entries``
-    are the keys it must hold. A file without a checksum loads with a warning."""
+    are the keys it must hold. A file without a checksum loads, with a warning if it is to fill
+    the offloaded objects (``entries``): a file of the user's own other state needs none."""
     with _reading(path):
         checkpoint = load()
     name = str(path)
@@ -123,7 +124,7 @@ def load_single(path: _PATH, load: Callable[[], Any], entries: Collection[str]) 
             f"{name!r} is not a checkpoint to load here: it has no {missing[0]!r} entry (it holds "
             f"{sorted(map(str, checkpoint))[:6]}). Use another checkpoint."
         )
-    if saved is None:
+    if saved is None and entries:
         rank_zero_warn(f"checkpoint {name!r} has no zero_offload checksum (it was not written by "
                        "the zero_offload strategy), so it cannot be checked for damage; loading "
                        "it as it is")

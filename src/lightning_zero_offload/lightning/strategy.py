@@ -198,6 +198,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
+        self._failure = None  # a run whose teardown never came does not fail this one
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.keeps_user_sampler:  # one process: the same batches as the default strategy
