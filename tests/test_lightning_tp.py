@@ -19,6 +19,7 @@ from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.lightning import mesh as tp_mesh
 
 STEPS, ACCUM, BATCH = 5, 2, 2  # BATCH per data-parallel rank and micro-batch
+pytestmark = pytest.mark.usefixtures("isolated_process_group")  # a fit in this process
 TIMEOUT = 20  # collective_timeout_s of the failure cases (the process group's too: rendezvous)
 
 
