@@ -484,9 +484,10 @@ def test_several_processes_destroy_the_process_group_at_exit_unless_an_error_end
     script.write_text(_EXIT_SCRIPT)
     expected = "True" if mode == "return" else "False"
     # Even with the group destroyed, a gloo process sometimes aborts later in the interpreter's
-    # exit ("terminate called without an active exception", SIGABRT; 1 full suite of ~15 here,
-    # and the plain DDP reference in test_fabric aborts the same way): that one signature, after
-    # both ranks said the group was destroyed, gets another launch; any other failure fails.
+    # exit ("terminate called without an active exception", SIGABRT; once in a fresh-clone
+    # suite run here; the plain DDP reference in test_fabric aborts the same way): that one
+    # signature, after both ranks said the group was destroyed, gets another launch; any other
+    # failure fails.
     for _ in range(3):
         run = torchrun(script, mode, timeout=300)
         if not (mode == "return" and run.returncode != 0
