@@ -386,17 +386,11 @@ def test_checkpoint_files_are_atomic_and_corruption_is_reported(tmp_path, monkey
     saved = [p.detach().clone() for p in engine.module.parameters()]
     train(engine, batches(1, seed=3))
 
-    def crash(obj, f):  # dies after writing part of the file
-        f.write(b"PK\x03\x04 partial")
+    def crash(obj, path):  # the checkpoint writer dies after writing part of the file
+        path.write_bytes(b"PK\x03\x04 partial")
         raise KeyboardInterrupt("killed mid-write")
 
-    class DyingTorch:  # the checkpoint writer's torch, whose save dies; torch.save elsewhere works
-        save = staticmethod(crash)
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    monkeypatch.setattr(files, "torch", DyingTorch())
+    monkeypatch.setattr(files.stream, "write", crash)
     with pytest.raises(KeyboardInterrupt):
         engine.save_checkpoint(good, sharded=False)
     with pytest.raises(KeyboardInterrupt):
@@ -455,22 +449,24 @@ def test_teardown_returns_ordinary_fp32_parameters(precision):
 
 
 def test_full_state_dict_parts_equal_the_whole_and_gather_only_their_part(monkeypatch):
-    from lightning_zero_offload.core.checkpoint import EngineState
+    from lightning_zero_offload.core import shard_view
 
     engine = engine_for(precision="bf16-mixed", max_grad_norm=1.0)
     train(engine, batches(3))
     full = engine.full_state_dict()
     gathered = []
-    gather = EngineState.gather_full
-    monkeypatch.setattr(EngineState, "gather_full",
-                        lambda self, host: gathered.append(host) or gather(self, host))
+    read = shard_view.bucket_fp32
+    monkeypatch.setattr(shard_view, "bucket_fp32",
+                        lambda host, b, kind: gathered.append(kind) or read(host, b, kind))
+    buckets = len(engine.layout.buckets)
     weights = engine.full_state_dict(optimizer=False)
-    assert len(gathered) == 1 and "optimizer" not in weights  # the master weights only
+    assert gathered == ["master"] * buckets and "optimizer" not in weights  # each bucket once
     assert weights["model"].keys() == full["model"].keys()
     for k, v in full["model"].items():
         assert v.dtype == torch.float32 and torch.equal(weights["model"][k], v)
     opt = engine.full_state_dict(model=False)
-    assert len(gathered) == 3 and "model" not in opt  # the two moments
+    assert sorted(set(gathered[buckets:])) == ["exp_avg", "exp_avg_sq"]  # the two moments
+    assert len(gathered) == 3 * buckets and "model" not in opt
     assert opt["optimizer"]["param_groups"] == full["optimizer"]["param_groups"]
     assert opt["optimizer"]["state"].keys() == full["optimizer"]["state"].keys()
     for i, st in full["optimizer"]["state"].items():

@@ -190,11 +190,11 @@ def test_save_after_teardown_is_a_clear_error_and_leaves_nothing(tmp_path):
 def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(saved, monkeypatch):
     engine, state, tmp = saved
 
-    def disk_full(obj, f):
-        f.write(b"PK\x03\x04")
+    def disk_full(obj, path):
+        path.write_bytes(b"PK\x03\x04")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(files.torch, "save", disk_full)
+    monkeypatch.setattr(files.stream, "write", disk_full)
     for path, sharded in ((tmp / "ckpt", True), (tmp / "full.pt", False)):
         with pytest.raises(OSError, match="No space left"):
             engine.save_checkpoint(path, sharded=sharded)
@@ -246,21 +246,20 @@ def pause():
     open(flag, "w").close()
     time.sleep(600)
 
-real_save, real_rename = torch.save, os.rename
-def save(obj, f):
+real_write, real_rename = files.stream.write, os.rename
+def write(obj, path):
     if point == "file":  # half of the file written
-        f.write(b"PK\x03\x04" + b"\0" * 4096)
-        f.flush()
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04" + b"\0" * 4096)
         pause()
-    real_save(obj, f)
-    f.flush()
+    real_write(obj, path)
     if point == "shard":  # the shard written, not yet renamed
         pause()
 def rename(src, dst):
     if point == "rename":  # the old folder moved aside, the new one not yet in place
         pause()
     real_rename(src, dst)
-files.torch.save, files.os.rename = save, rename
+files.stream.write, files.os.rename = write, rename
 engine.save_checkpoint(path, sharded=sharded)
 """
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero_offload.core import checks, collectives, ranks, shard_view, tensor_parallel
-from lightning_zero_offload.core.checkpoint import EngineState
+from lightning_zero_offload.core.checkpoint import EngineState, stream
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.device_factory import make_device
@@ -196,22 +196,18 @@ class ZeroOffload:
             self._calls += 1
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
-            if self._part.wants_move:  # "auto": once, after the first step
-                self._move_state()
+            if self._part.wants_move:  # "auto": once, after the first step, nothing in flight
+                self._delayed.join()
+                self._streamer.drain()
+                self._dev.synchronize()
+                self._streamer.buffers_replaced()  # its views of the host gradients go first
+                self._part.move(self._host, self.host_budget)
             # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
         except BaseException as e:  # peers stuck in a collective name this rank
             collectives.report_failure(e)
             raise
-
-    def _move_state(self) -> None:
-        """Collective: more buckets' optimizer state onto the device, nothing in flight."""
-        self._delayed.join()
-        self._streamer.drain()
-        self._dev.synchronize()
-        self._streamer.buffers_replaced()  # its views of the host gradients go before a move
-        self._part.move(self._host, self.host_budget)
 
     @property
     def offload_fraction(self) -> float:
@@ -227,10 +223,9 @@ class ZeroOffload:
         nn.Module.zero_grad(self.module, set_to_none)
 
     def synchronize(self) -> None:
-        """Local (never a collective): wait for the delayed CPU step and every transfer, so the
-        host state holds every step. With one rank the module's weights include the pending
-        update too; with several they do after the next collective call (``step``,
-        ``gather_weights``, ``full_state_dict``, ``save_checkpoint``, loads, ``teardown``)."""
+        """Local (never a collective): wait for the delayed CPU step and every transfer. The
+        module's weights then hold every step with one rank; with several, after the next
+        collective call (``step``, ``gather_weights``, saves, loads, ``teardown``)."""
         self._check_open()
         self._delayed.join()
         if self.world_size == 1:
@@ -242,8 +237,7 @@ class ZeroOffload:
         """Collective: the module's weights include every step (for validation on all ranks)."""
         self._check_open()
         self._delayed.land()  # collective with several ranks
-        self._streamer.drain()
-        self._dev.synchronize()
+        self.synchronize()  # the copies it started
 
     @property
     def torn_down(self) -> bool:
@@ -284,8 +278,7 @@ class ZeroOffload:
 
     # -- state --------------------------------------------------------------------------------
     def _load(self, load: Callable[[Any], None], source: object) -> None:
-        """Collective: every step lands, ``load(source)`` fills the host state, and the device
-        weights follow the master weights."""
+        """Collective: every step lands, ``load(source)`` fills the host state, then the weights."""
         self.gather_weights()
         load(source)
         self._weights.push_all([shard_view.bucket_master(self._host, b)
@@ -306,21 +299,28 @@ class ZeroOffload:
         """Collective. ``{"model": fp32 state_dict, "optimizer": torch AdamW format}`` for a plain
         model, ``torch.optim.AdamW`` or an engine of any world size; ``optimizer=False`` or
         ``model=False`` leaves that part out and does not gather it."""
+        return stream.materialize(self.consolidated(model=model, optimizer=optimizer))
+
+    def consolidated(self, *, model: bool = True, optimizer: bool = True) -> dict:
+        """``full_state_dict()`` with stand-ins, each made only as :meth:`save_file` writes it."""
         if not self._check_readable():
             self.gather_weights()
-        return self._state.full(model=model, optimizer=optimizer)
+        return self._state.full_later(model=model, optimizer=optimizer)
+
+    def save_file(self, obj: dict, path: str | os.PathLike) -> None:
+        """Collective. ``obj`` (with :meth:`consolidated`'s stand-ins) as one checksummed file."""
+        self._state.save_file(obj, path)
 
     def load_full_state_dict(self, state: dict) -> None:
-        """Collective. The consolidated form (any world size) or ``{"model": model.state_dict(),
-        "optimizer": AdamW.state_dict()}``."""
+        """Collective. The consolidated form (any world size) or plain model/AdamW states."""
         self._load(self._state.load_full, state)
 
     def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
                         extra: dict[str, dict] | None = None) -> None:
         """Collective. ``sharded=True``: a folder of one file per rank; ``False``: one
         consolidated file; ``extra``: more files (name -> dict) rank 0 writes into the folder.
-        Written under a temporary name and renamed (never half a checkpoint); only an empty folder
-        or one of ours is replaced."""
+        Written under a temporary name and renamed; only an empty folder or one of ours is
+        replaced. Neither way holds a second copy of the state."""
         if not self._check_readable():
             self.gather_weights()
         self._state.save(path, sharded=sharded, extra=extra)

@@ -34,6 +34,33 @@ def bucket_master(host: HostBuffers, b: int) -> Tensor:
     return host.resident[b - first].master if b >= first else host.state(b)[0]
 
 
+def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
+    """Bucket ``b``'s shard of ``kind`` (``"master"`` or a moment's name) in fp32 on the host:
+    the host's own array where it is fp32 there, else converted (this bucket alone)."""
+    first = len(host.layout.buckets) - len(host.resident)
+    if b >= first:
+        stage = host.resident[b - first]
+        return getattr(stage, kind).cpu()
+    master, mom = host.state(b)
+    if kind == "master":
+        return master
+    if mom.moment_dtype == "fp32":
+        return getattr(mom, kind)
+    m, v = mom.to_fp32()
+    return m if kind == "exp_avg" else v
+
+
+def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, Tensor] | None:
+    """Bucket ``b``'s shard of both moments as the engine's own fp32 tensors (host fp32 arrays,
+    or the device part's on the CPU compute device), to write in place; else None."""
+    first = len(host.layout.buckets) - len(host.resident)
+    if b >= first:
+        stage = host.resident[b - first]
+        return (stage.exp_avg, stage.exp_avg_sq) if stage.exp_avg.device.type == "cpu" else None
+    mom = host.state(b)[1]
+    return (mom.exp_avg, mom.exp_avg_sq) if mom.moment_dtype == "fp32" else None
+
+
 def group_master(host: HostBuffers, g: int) -> Tensor:
     """Group ``g``'s whole fp32 master shard on the host."""
     stages = _resident(host, g)

@@ -25,14 +25,16 @@ import contextlib
 import errno
 import functools
 import os
+import zipfile
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities import rank_zero_warn
 
-from lightning_zero_offload.core.checkpoint import files, formats
+from lightning_zero_offload.core.checkpoint import files, formats, stream
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH
@@ -67,6 +69,38 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
 def with_checksum(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint`` plus its checksum under ``files.CHECKSUM_KEY`` (the engine's CRC-32)."""
     return {**checkpoint, files.CHECKSUM_KEY: files.checksum(checkpoint)}
+
+
+def _local_torch_file(checkpoint_io: Any, path: object, storage_options: Any = None) -> bool:
+    """Whether Lightning's own ``TorchCheckpointIO`` would write or read ``path`` on this
+    machine's file system: then the engine writes it a tensor at a time, and reads it mapped."""
+    return (type(checkpoint_io) is TorchCheckpointIO and storage_options is None
+            and isinstance(path, (str, os.PathLike)) and "://" not in str(path))
+
+
+def save_single(engine: ZeroOffload, checkpoint: dict[str, Any], path: _PATH, strategy: Any,
+                storage_options: Any) -> None:
+    """Collective. ``checkpoint`` (with ``engine.consolidated()``'s stand-ins) as one checksummed
+    file of ``strategy`` (Lightning's or Fabric's): written a tensor at a time by the engine where
+    Lightning's ``TorchCheckpointIO`` would write a local file; for another ``CheckpointIO`` its
+    tensors are made whole first (the copy of the state the engine's writer avoids)."""
+    if _local_torch_file(strategy.checkpoint_io, path, storage_options):
+        engine.save_file(checkpoint, path)  # type: ignore[arg-type]
+        return
+    checkpoint = stream.materialize(checkpoint)
+    if strategy.is_global_zero:
+        strategy.checkpoint_io.save_checkpoint(with_checksum(checkpoint), path,
+                                               storage_options=storage_options)
+
+
+def single_loader(checkpoint_io: Any, path: _PATH, weights_only: bool | None,
+                  load: Callable[[], Any]) -> Callable[[], Any]:
+    """``load``, or for a local ``torch.save`` file that Lightning's ``TorchCheckpointIO`` would
+    read whole, ``torch.load(mmap=True)``: the file's pages, not a second copy in memory."""
+    if not _local_torch_file(checkpoint_io, path) or not zipfile.is_zipfile(path):
+        return load
+    return functools.partial(torch.load, path, map_location="cpu", weights_only=weights_only,
+                             mmap=True)
 
 
 @contextlib.contextmanager

@@ -244,16 +244,12 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             self.barrier("zero_offload_save")
             return
         kinds = set(owned.values())  # gather only what is saved (the weights are a third)
-        full = engine.full_state_dict(  # collective
-            model="model" in kinds, optimizer="optimizer" in kinds
-        )
+        full = engine.consolidated(model="model" in kinds, optimizer="optimizer" in kinds)
         entries = {"model": full.get("model")}
         if "optimizer" in full:
             entries["optimizer"] = ckpt.optimizer_entry(full)
         converted.update({key: entries[kind] for key, kind in owned.items()})
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(ckpt.with_checksum(converted), path,
-                                               storage_options=storage_options)
+        ckpt.save_single(engine, converted, path, self, storage_options)  # collective
 
     @override
     def load_checkpoint(
@@ -279,8 +275,8 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
             # A module or optimizer of the user's own, from a file of its own.
             return super().load_checkpoint(path, state, strict, weights_only)
         else:  # also without the offloaded objects: the checksum is verified and removed
-            load = functools.partial(self.checkpoint_io.load_checkpoint, path,
-                                     weights_only=weights_only)
+            load = ckpt.single_loader(self.checkpoint_io, path, weights_only, functools.partial(
+                self.checkpoint_io.load_checkpoint, path, weights_only=weights_only))
             checkpoint = ckpt.load_single(path, load, owned)
             entries = {kind: checkpoint.pop(key) for key, kind in owned.items()}
             if entries and "model" not in entries:

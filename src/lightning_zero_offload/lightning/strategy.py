@@ -338,7 +338,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             return {}  # every rank writes its partition in save_checkpoint
         # collective: every rank takes part; the weights only (a weights-only checkpoint never
         # asks for the optimizer state, which optimizer_state gathers)
-        return engine.full_state_dict(optimizer=False)["model"]
+        return engine.consolidated(optimizer=False)["model"]  # made as save_checkpoint writes
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -347,7 +347,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             return super().optimizer_state(optimizer)
         if self.sharded_checkpoint:
             return {}
-        return ckpt.optimizer_entry(engine.full_state_dict(model=False))  # collective
+        return ckpt.optimizer_entry(engine.consolidated(model=False))  # collective when written
 
     @override
     def save_checkpoint(
@@ -357,6 +357,9 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         if engine is not None and self.sharded_checkpoint:
             ckpt.save_sharded(engine, checkpoint, filepath, self.is_global_zero)
             self.barrier("zero_offload_save")
+            return
+        if engine is not None:  # collective: the stand-ins are made as rank 0 writes them
+            ckpt.save_single(engine, checkpoint, filepath, self, storage_options)
             return
         if self.is_global_zero:  # the rank that writes it
             checkpoint = ckpt.with_checksum(checkpoint)
@@ -368,6 +371,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             return ckpt.load_sharded_meta(checkpoint_path, weights_only)
         load = functools.partial(super().load_checkpoint, checkpoint_path,
                                  weights_only=weights_only)
+        load = ckpt.single_loader(self.checkpoint_io, checkpoint_path, weights_only, load)
         return ckpt.load_single(checkpoint_path, load, ["state_dict"])
 
     @override

@@ -269,8 +269,15 @@ class Moments:
             return cls("fp32", m.clone(), v.clone())
         if moment_dtype == "bf16":
             return cls("bf16", m.to(torch.bfloat16), v.to(torch.bfloat16))
-        r = torch.full((m.numel(),), _NEAREST | (_NEAREST << 16), dtype=torch.int64)
-        mc, sm, vc, sv = encode_q8(m, _sqrt(v), r)
+        # 2**16 elements (whole blocks) at a time: the encoder's int64 temporaries take about
+        # 150 bytes per element, so a bucket at once would peak far above the bucket itself
+        n, step = m.numel(), 2**16
+        mc, vc = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        sm, sv = torch.empty(num_blocks(n)), torch.empty(num_blocks(n))
+        for a in range(0, n, step):
+            b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
+            r = torch.full((b - a,), _NEAREST | (_NEAREST << 16), dtype=torch.int64)
+            mc[a:b], sm[blocks], vc[a:b], sv[blocks] = encode_q8(m[a:b], _sqrt(v[a:b]), r)
         return cls("int8", mc, vc, sm, sv)
 
     def to_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,8 +285,13 @@ class Moments:
         reads them: the form of a ``torch.optim.AdamW`` state."""
         if self.moment_dtype == "int8":
             assert self.exp_avg_scales is not None and self.exp_avg_sq_scales is not None
-            return decode_q8(self.exp_avg, self.exp_avg_scales, self.exp_avg_sq,
-                             self.exp_avg_sq_scales)
+            n, step = self.numel, 2**16  # whole blocks at a time, as from_fp32
+            m, v = torch.empty(n), torch.empty(n)
+            for a in range(0, n, step):
+                b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
+                m[a:b], v[a:b] = decode_q8(self.exp_avg[a:b], self.exp_avg_scales[blocks],
+                                           self.exp_avg_sq[a:b], self.exp_avg_sq_scales[blocks])
+            return m, v
         return self.exp_avg.float().clone(), self.exp_avg_sq.float().clone()
 
     def copy_(self, other: Moments) -> None:

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero_offload.core import collectives, rule, shard_view
-from lightning_zero_offload.core.checkpoint import agreement, files, formats, validation
+from lightning_zero_offload.core.checkpoint import agreement, files, formats, stream, validation
+from lightning_zero_offload.core.checkpoint.gather import BucketGather, in_bucket_order, later, trim
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
@@ -137,47 +138,44 @@ class EngineState:
             full[g][bucket.start : bucket.start + bucket.numel] = out.cpu()
         return full
 
-    def moments_fp32(self) -> tuple[list[Tensor], list[Tensor]]:
-        """This rank's moments per group in fp32 (the host's own tensors for fp32 moments;
-        compact ones dequantized bucket shard by bucket shard, never a whole group at once)."""
-        if self.host.moment_dtype == "fp32" and not self.host.resident:
-            return self.host.exp_avg, self.host.exp_avg_sq
-        if self.host.resident:
-            both = [shard_view.group_moments(self.host, g) for g in range(len(self.group_sizes))]
-            return [m.exp_avg for m in both], [m.exp_avg_sq for m in both]
-        m32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
-        v32 = [torch.zeros(k) for k in self.layout.group_shard_numel]
-        for bucket in self.layout.buckets:
-            g, a, k = bucket.group, bucket.host_offset, bucket.shard
-            m, v = self.host.moments[g].chunk(a, k).to_fp32()
-            m32[g][a : a + k], v32[g][a : a + k] = m, v
-        return m32, v32
-
     def masters(self) -> list[Tensor]:
         """This rank's whole fp32 master shard per group, on the host."""
         return [shard_view.group_master(self.host, g) for g in range(len(self.group_sizes))]
 
-    def full(self, *, model: bool, optimizer: bool) -> dict:
-        """Collective. See ``ZeroOffload.full_state_dict``."""
-        flats = {"master": self.gather_full(self.masters())} if model else {}
-        if optimizer:
-            m32, v32 = self.moments_fp32()
-            flats["exp_avg"], flats["exp_avg_sq"] = self.gather_full(m32), self.gather_full(v32)
-        hparams = [formats.group_hparams(g) for g in self.param_groups]
+    def full_later(self, *, model: bool, optimizer: bool) -> dict:
+        """``full()``'s form with ``stream.Later`` stand-ins for the trained tensors: nothing is
+        gathered or copied until each is made (collective: ``stream.write`` on the rank that
+        writes, ``stream.make_all`` on the others, in the order they were created)."""
+        coll = (collectives.collective_device(self.group, self.weights.dev.device)
+                if self.world_size > 1 else None)
+        gather = BucketGather(self.layout, self.host, self.rank, self.group, coll)
+        slots, tp = in_bucket_order(self.layout), self.tp
+        kinds = (["master"] if model else []) + (list(rule.STATE_NAMES) if optimizer else [])
+        made = {kind: {s.index: later(gather, kind, s, tp) for s in slots} for kind in kinds}
         counters = self.stepper.state_dict()
-        out = formats.assemble(self.layout.describe(), flats, counters["param_steps"], hparams)
         full: dict[str, Any] = {"format": formats.FULL_FORMAT}
-        trained = self.weights.trained
-        if model:  # keyed like module.state_dict(): buffers and untrained tensors too
+        if model:
+            index = {id(s.param): s.index for s in self.layout.slots}
             untrained = self.weights.untrained()
+            names = self.module.state_dict(keep_vars=True)
             full["model"] = {
-                name: out["model"][trained[id(t)]] if id(t) in trained else untrained[name]
-                for name, t in self.module.state_dict(keep_vars=True).items()
-            }
+                name: made["master"][index[id(t)]] if id(t) in index else
+                (tp.whole_value(t, untrained[name]) if tp is not None else untrained[name])
+                for name, t in names.items()}
         if optimizer:
-            full["optimizer"] = out["optimizer"]
+            state = {s.index: {"step": torch.tensor(float(n)),
+                               **{k: made[k][s.index] for k in rule.STATE_NAMES}}
+                     for s, n in zip(self.layout.slots, counters["param_steps"], strict=True)
+                     if n > 0}
+            param_groups, first = [], 0
+            for group, size in zip(self.param_groups, self.group_sizes, strict=True):
+                param_groups.append({**formats.group_hparams(group),
+                                     "params": list(range(first, first + size))})
+                first += size
+            full["optimizer"] = {"state": dict(sorted(state.items())),
+                                 "param_groups": param_groups}
         full["scaler"] = counters["scaler"]
-        return self._whole(full) if self.tp is not None else full
+        return full
 
     def _params(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
         """The module's tensors by state_dict key, and the trained parameters by index."""
@@ -229,7 +227,9 @@ class EngineState:
             for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
                 a, k = bucket.host_offset, bucket.shard
                 master = shard_view.bucket_master(self.host, b)
-                m32, v32 = torch.zeros(k), torch.zeros(k)
+                own = shard_view.own_fp32_moments(self.host, b)  # written in place: no copy
+                m32, v32 = (own[0].zero_(), own[1].zero_()) if own else (torch.zeros(k),
+                                                                         torch.zeros(k))
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     master[sl] = model[slot.name].reshape(-1)[lo:hi]
@@ -237,7 +237,9 @@ class EngineState:
                     if st:
                         m32[sl] = st["exp_avg"].reshape(-1)[lo:hi]
                         v32[sl] = st["exp_avg_sq"].reshape(-1)[lo:hi]
-                shard_view.write_moments(self.host, b, m32, v32)
+                if own is None:
+                    shard_view.write_moments(self.host, b, m32, v32)
+                    trim()  # the conversion's temporaries, before the next bucket's
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):
                 group.update(formats.group_hparams(saved))
@@ -264,11 +266,7 @@ class EngineState:
         rank, world, group = self.files_rank
         on_zero = rank == 0
         if not sharded:
-            self._agree(agreement.capture(lambda: files.check_file_target(path))
-                        if on_zero else None)
-            full = self.full(model=True, optimizer=True)
-            self._agree(agreement.capture(lambda: files.atomic_save(full, path))
-                        if on_zero else None)
+            self._write_file(self.full_later(model=True, optimizer=True), path)
             return
         token, error = files.begin_dir(path) if on_zero else ("", None)
         token = agreement.share_token(token, world, group, self._coll())
@@ -286,6 +284,22 @@ class EngineState:
         finally:
             if on_zero:
                 files.discard(tmp)  # left only if the save failed: nothing of it is kept
+
+    def save_file(self, obj: dict, path: str | os.PathLike) -> None:
+        """Collective. ``obj`` (its stand-ins from :meth:`full_later` made as they are written)
+        as one checksummed file that rank 0 writes; an error on any rank raises on every rank."""
+        path = files.check_name(path)
+        with files.writing(path):
+            self._write_file(obj, path)
+
+    def _write_file(self, obj: dict, path: Path) -> None:
+        on_zero = self.files_rank[0] == 0
+        self._agree(agreement.capture(lambda: files.check_file_target(path)) if on_zero else None)
+        try:
+            self._agree(agreement.capture(lambda: files.atomic_save(obj, path) if on_zero
+                                          else stream.make_all(obj)))
+        finally:
+            trim()
 
     @staticmethod
     def _publish(tmp: Path, path: Path, token: str, world: int, extra: dict[str, dict]) -> None:

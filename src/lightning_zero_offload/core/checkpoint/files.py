@@ -23,15 +23,15 @@ import secrets
 import shutil
 import socket
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from lightning_zero_offload.core.checkpoint import stream
 from lightning_zero_offload.core.checkpoint.agreement import capture
+from lightning_zero_offload.core.checkpoint.crc import CHECKSUM_KEY, checksum
 from lightning_zero_offload.core.checkpoint.formats import (
     DIR_FORMAT,
     FULL_FORMAT,
@@ -40,39 +40,10 @@ from lightning_zero_offload.core.checkpoint.formats import (
 )
 
 MANIFEST = "zero_offload.json"  # marks (and completes) a checkpoint folder of this library
-CHECKSUM_KEY = "zero_offload_checksum"
 _SAVE_ERROR = "cannot save the checkpoint to"
 
 
 # -- checksums ------------------------------------------------------------------------------------
-def _feed(obj: Any, crc: int) -> int:
-    """CRC-32 over a canonical walk of ``obj``: tensors by dtype, shape and bytes, plain values by
-    repr; other objects by type only (their repr may hold addresses)."""
-    if isinstance(obj, Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        crc = zlib.crc32(f"T{t.dtype}{tuple(obj.shape)}".encode(), crc)
-        data = memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # a buffer
-        return zlib.crc32(data, crc) if t.numel() else crc
-    if isinstance(obj, Mapping):
-        crc = zlib.crc32(f"D{len(obj)}".encode(), crc)
-        for key in sorted(obj, key=repr):
-            crc = _feed(obj[key], _feed(key, crc))
-        return crc
-    if isinstance(obj, (list, tuple)):
-        crc = zlib.crc32(f"L{len(obj)}".encode(), crc)
-        for item in obj:
-            crc = _feed(item, crc)
-        return crc
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype)):
-        return zlib.crc32(f"{type(obj).__name__}:{obj!r}".encode(), crc)
-    return zlib.crc32(f"O{type(obj).__qualname__}".encode(), crc)
-
-
-def checksum(obj: Mapping) -> str:
-    """The checksum stored under :data:`CHECKSUM_KEY` (computed without that entry)."""
-    return f"crc32:{_feed({k: v for k, v in obj.items() if k != CHECKSUM_KEY}, 0):08x}"
-
-
 def _verify(obj: dict, path: Path) -> dict:
     saved = obj.pop(CHECKSUM_KEY, None)
     if saved is None:
@@ -197,9 +168,10 @@ def writing(path: Path) -> Iterator[None]:
 
 
 def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
-    """``torch.save`` of ``obj`` plus its checksum to a per-process temporary name in the same
-    folder (created with its parents if missing, as a sharded save's is), fsync, then rename over
-    ``path``: a crash leaves the old file or the new one."""
+    """``obj`` plus its checksum in ``torch.save``'s format (``stream.write``: a tensor at a
+    time, ``stream.Later`` stand-ins made as they are written) to a per-process temporary name
+    in the same folder (created with its parents if missing, as a sharded save's is), fsync,
+    then rename over ``path``: a crash leaves the old file or the new one."""
     path = check_name(path)
     check_file_target(path)
     tmp = temp_path(path, "tmp", new_token())
@@ -211,10 +183,7 @@ def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
 
 def _write(obj: Mapping, path: Path, tmp: Path) -> None:
     try:
-        with open(tmp, "wb") as f:
-            torch.save({**obj, CHECKSUM_KEY: checksum(obj)}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        stream.write(obj, tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
@@ -229,7 +198,8 @@ def _load_raw(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {str(path)!r} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # memory-mapped: a load holds file pages, which the kernel can drop, not a second copy
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises several types for truncated/corrupt archives
         if _unsafe_types(e):  # torch's message is long; its "Unsupported global" line names it
             what = next((line.strip() for line in str(e).splitlines()

@@ -1,0 +1,193 @@
+"""Checkpoint files written a tensor at a time, with no second copy of the state.
+
+A consolidated checkpoint holds the whole model's fp32 weights and moments, which the engine
+keeps only as shards (other ranks' too, compact moments, the device part). Building that dict
+would hold the optimizer state twice; instead its tensors are :class:`Later` stand-ins, each
+made just before it is written (a view of the engine's arrays where dtype and layout allow) and
+dropped after. The file is what ``torch.save`` writes (a zip of one 64-byte-aligned record per
+tensor, plus ``data.pkl``), so ``torch.load(weights_only=True, mmap=True)`` reads it. The
+checksum (``crc``'s) is taken on another thread while each record is written and combined in the
+walk's order, so every byte is read once. ``data.pkl`` goes last: it holds the checksum.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._utils as torch_utils
+from torch import Tensor
+
+from lightning_zero_offload.core.checkpoint import crc
+
+_SEQ = itertools.count()
+
+
+class Later:
+    """A tensor of ``shape`` and ``dtype`` that ``make()`` returns when it is written (a
+    collective where the engine gathers it: every rank makes the same ones, in one order)."""
+
+    later_of = True  # what ``crc.walk`` and the pickler recognise
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype,
+                 make: Callable[[], Tensor]) -> None:
+        self.shape, self.dtype, self.make = torch.Size(shape), dtype, make
+        self.seq = next(_SEQ)  # stand-ins are made in the order they were created
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def __repr__(self) -> str:
+        return f"Later({tuple(self.shape)}, {self.dtype})"
+
+
+def laters(obj: Any) -> list[Later]:
+    """Every :class:`Later` in ``obj``, once each, in the order they are to be made."""
+    found: dict[int, Later] = {}
+
+    def visit(o: Any) -> None:
+        if isinstance(o, Later):
+            found.setdefault(id(o), o)
+        elif isinstance(o, Mapping):
+            for value in o.values():
+                visit(value)
+        elif isinstance(o, (list, tuple)):
+            for item in o:
+                visit(item)
+
+    visit(obj)
+    return sorted(found.values(), key=lambda x: x.seq)
+
+
+def materialize(obj: Any) -> Any:
+    """``obj`` with every :class:`Later` made (in order: collective where they gather) and
+    cloned: what ``full_state_dict`` returns, at the cost of the copy this module avoids."""
+    made = {id(x): x.make().clone() for x in laters(obj)}
+
+    def sub(o: Any) -> Any:
+        if isinstance(o, Later):
+            return made[id(o)]
+        if isinstance(o, Mapping):
+            return {k: sub(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(sub(v) for v in o)
+        return o
+
+    return sub(obj)
+
+
+class _StorageRef:
+    def __init__(self, key: str, dtype: torch.dtype, numel: int, location: str) -> None:
+        self.key, self.dtype, self.numel, self.location = key, dtype, numel, location
+
+
+_STORAGE_TYPES = torch.storage._dtype_to_storage_type_map()  # dtype -> "FloatStorage", ...
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles tensors and stand-ins as ``torch.save`` does: a rebuild call over a storage
+    record, named by its key."""
+
+    def __init__(self, file: Any, keys: dict[int, str], places: dict[int, str]) -> None:
+        super().__init__(file, protocol=2)
+        self.keys, self.places = keys, places
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, (Tensor, Later)):
+            return NotImplemented
+        shape = tuple(obj.shape)
+        ref = _StorageRef(self.keys[id(obj)], obj.dtype, obj.numel(), self.places[id(obj)])
+        rebuild = torch_utils._rebuild_tensor_v2
+        return rebuild, (ref, 0, shape, _contiguous(shape), False, OrderedDict())
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            kind = getattr(torch, _STORAGE_TYPES[obj.dtype])
+            return ("storage", kind, obj.key, obj.location, obj.numel)
+        return None
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def make_all(obj: Any) -> None:
+    """What a rank that does not write does: make every stand-in of ``obj`` in order (its part
+    of the gathers) and drop it."""
+    for later in laters(obj):
+        later.make()
+
+
+def write(obj: Mapping, path: Path) -> None:
+    """``obj`` plus its checksum (``crc.CHECKSUM_KEY``) as a ``torch.save`` file at ``path``,
+    fsynced: the stand-ins first, made in order, then ``obj``'s tensors, each written as its
+    own contiguous bytes (on the host; the file keeps their device for ``torch.load``). If a
+    write fails, the remaining stand-ins are still made (peers gather with this rank), then the
+    error is raised."""
+    content = {k: v for k, v in obj.items() if k != crc.CHECKSUM_KEY}
+    items: list[Any] = laters(content)
+    items += crc.tensors(content)
+    keys = {id(x): str(i) for i, x in enumerate(items)}
+    places = {id(x): "cpu" if isinstance(x, Later) else
+              torch.serialization.location_tag(x.untyped_storage()) for x in items}
+    crcs: dict[int, int] = {}
+    with open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+        # torch's own zip CRC would read every byte once more: ours is the file's check
+        zf = torch._C.PyTorchFileWriter(f, False, 64)
+        for i, x in enumerate(items):
+            data = _made(x)
+            job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data)) if data.numel() else None
+            try:
+                zf.write_record(f"data/{keys[id(x)]}", _storage(data),  # type: ignore[arg-type]
+                                data.nbytes)
+            except BaseException:
+                make_all(items[i + 1 :])
+                raise
+            crcs[id(x)] = job.result() if job is not None else 0
+            del data, job
+        checksum = crc.format_crc(crc.walk(content, 0, lambda t: crcs[id(t)]))
+        pickled = _pickle({**content, crc.CHECKSUM_KEY: checksum}, keys, places)
+        zf.write_record("data.pkl", pickled, len(pickled))
+        for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                            ("byteorder", sys.byteorder.encode())):  # as torch.save writes
+            zf.write_record(name, value, len(value))
+        zf.write_end_of_file()
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _made(x: Tensor | Later) -> Tensor:
+    data = (x.make() if isinstance(x, Later) else x).detach().cpu().contiguous()
+    if tuple(data.shape) != tuple(x.shape) or data.dtype != x.dtype:
+        raise RuntimeError(f"checkpoint: {x!r} was made as {tuple(data.shape)} {data.dtype}")
+    return data
+
+
+def _storage(t: Tensor) -> torch.UntypedStorage:
+    """The bytes of contiguous ``t`` as a storage of their own (a view, not a copy)."""
+    whole, start = t.untyped_storage(), t.storage_offset() * t.element_size()
+    if start == 0 and whole.nbytes() == t.nbytes:
+        return whole
+    return whole[start : start + t.nbytes]
+
+
+def _pickle(obj: Any, keys: dict[int, str], places: dict[int, str]) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, keys, places).dump(obj)
+    return buf.getvalue()
