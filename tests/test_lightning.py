@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -717,7 +718,8 @@ def _sharded_lightning_folder(tmp: Path, meta: dict) -> Path:
     engine = buffer_engine()
     train_buffer_net(engine)
     folder = tmp / "lightning.ckpt"
-    lckpt.save_sharded(engine, meta, folder, True)
+    lckpt.save_sharded(engine, meta, folder,
+                       SimpleNamespace(is_global_zero=True, async_checkpoint=False))
     return folder
 
 

@@ -12,7 +12,18 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero_offload.core import rule
+from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
+
+
+def engine_config(config: ZeroOffloadConfig | None, overrides: dict) -> ZeroOffloadConfig:
+    """The engine's config: ``config`` (default ``ZeroOffloadConfig()``) with ``overrides``,
+    its precision resolved."""
+    config = config if config is not None else ZeroOffloadConfig()
+    if not isinstance(config, ZeroOffloadConfig):
+        raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
+    config = config.replace(**overrides) if overrides else config
+    return config.resolve_precision()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

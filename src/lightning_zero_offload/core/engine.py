@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import EllipsisType
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_zero_offload.core import checks, collectives, ranks, shard_view, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState, stream
+from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.device_factory import make_device
@@ -45,17 +46,12 @@ class ZeroOffload:
                  config: ZeroOffloadConfig | None = None, *, process_group: object | None = None,
                  device: torch.device | str | None = None, device_mesh: Any = None,
                  **overrides: object) -> None:
-        config = config if config is not None else ZeroOffloadConfig()
-        if not isinstance(config, ZeroOffloadConfig):
-            raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
-        config = config.replace(**overrides) if overrides else config
-        self.config = config = config.resolve_precision()
+        self.config = config = checks.engine_config(config, overrides)
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
         self.tp, process_group = tensor_parallel.setup(module, device_mesh, process_group)
         self.rank, self.world_size = checks.rank_and_world(process_group)
-        # The engine's own copy of the group, with its timeout (see core.collectives).
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         # Released by teardown or when dropped, not at exit (a destroy waits for collectives).
         self._release_group = weakref.finalize(self, collectives.release_group,
@@ -169,14 +165,9 @@ class ZeroOffload:
             loss.backward()
         self._timer.backward_ended()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Backward passes inside skip the cross-rank reduction (gradients accumulate locally)."""
-        self._streamer.set_no_sync(True)
-        try:
-            yield
-        finally:
-            self._streamer.set_no_sync(False)
+        return self._streamer.no_sync()
 
     # -- step ---------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -186,9 +177,8 @@ class ZeroOffload:
         return torch.tensor(self._stepper.clip_grad_norm_(max_norm, norm_type))
 
     def step(self) -> Tensor | None:
-        """Collective. One step over this rank's shard; returns the global pre-clip gradient norm
-        (None when not needed). With delayed update past its warm-up the CPU step runs on the
-        worker and lands at the next ``step()``."""
+        """Collective. One step over this rank's shard; the global pre-clip gradient norm (None
+        when not needed). Delayed update: the CPU step runs on the worker, lands next ``step()``."""
         try:
             mark_stepped(self.optimizer)  # LR schedulers check that the optimizer stepped
             self._check_open()
@@ -196,6 +186,7 @@ class ZeroOffload:
             self._calls += 1
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
+            self._state.poll()  # an asynchronous save published once every rank wrote it
             if self._part.wants_move:  # "auto": once, after the first step, nothing in flight
                 self._delayed.join()
                 self._streamer.drain()
@@ -307,23 +298,31 @@ class ZeroOffload:
             self.gather_weights()
         return self._state.full_later(model=model, optimizer=optimizer)
 
-    def save_file(self, obj: dict, path: str | os.PathLike) -> None:
+    def save_file(self, obj: dict, path: str | os.PathLike,
+                  blocking: bool = True) -> PendingSave | None:
         """Collective. ``obj`` (with :meth:`consolidated`'s stand-ins) as one checksummed file."""
-        self._state.save_file(obj, path)
+        return self._state.save_file(obj, path, blocking or self._closed)
 
     def load_full_state_dict(self, state: dict) -> None:
         """Collective. The consolidated form (any world size) or plain model/AdamW states."""
         self._load(self._state.load_full, state)
 
     def save_checkpoint(self, path: str | os.PathLike, *, sharded: bool = True,
-                        extra: dict[str, dict] | None = None) -> None:
+                        extra: dict[str, dict] | None = None,
+                        blocking: bool = True) -> PendingSave | None:
         """Collective. ``sharded=True``: a folder of one file per rank; ``False``: one
-        consolidated file; ``extra``: more files (name -> dict) rank 0 writes into the folder.
-        Written under a temporary name and renamed; only an empty folder or one of ours is
-        replaced. Neither way holds a second copy of the state."""
+        consolidated file; ``extra``: more files rank 0 writes into the folder. Renamed into
+        place once written, replacing only an empty folder or one of ours. ``blocking=False``:
+        returns once the state is copied to host memory (a handle with ``wait()``, ``done()``;
+        None: no room for the copy, saved blocking), published once every rank wrote it."""
         if not self._check_readable():
             self.gather_weights()
-        self._state.save(path, sharded=sharded, extra=extra)
+        return self._state.save(path, sharded=sharded, extra=extra,
+                                blocking=blocking or self._closed)  # torn down: none settles it
+
+    def wait_for_save(self) -> None:
+        """Collective: a save in flight (``blocking=False``) ends, published or raising."""
+        self._state.settle()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
@@ -343,7 +342,8 @@ class ZeroOffload:
         if error is not None:
             collectives.report_failure(error)
             copy_weights_to_module &= self.world_size == 1
-        try:
+        try:  # a save in flight ends first (a failed run drops it, no collective)
+            (self._state.settle if error is None else self._state.abandon)()
             self.gather_weights() if copy_weights_to_module else self.synchronize()
         except Exception as e:
             broken = e

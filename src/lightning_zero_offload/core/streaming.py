@@ -103,9 +103,14 @@ class GradStreamer:
         """Whether the hooks reduce and send gradients now (else they stay on the device)."""
         return self._pass_sync if self._pass_sync is not None else not self._local
 
-    def set_no_sync(self, on: bool) -> None:
-        """``ZeroOffload.no_sync``: backward passes keep gradients on the device until then."""
-        self._local = on
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``ZeroOffload.no_sync``: backward passes inside keep gradients on the device."""
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
 
     @contextlib.contextmanager
     def backward_pass(self, sync: bool) -> Iterator[None]:

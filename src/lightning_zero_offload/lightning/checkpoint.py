@@ -83,9 +83,11 @@ def save_single(engine: ZeroOffload, checkpoint: dict[str, Any], path: _PATH, st
     """Collective. ``checkpoint`` (with ``engine.consolidated()``'s stand-ins) as one checksummed
     file of ``strategy`` (Lightning's or Fabric's): written a tensor at a time by the engine where
     Lightning's ``TorchCheckpointIO`` would write a local file; for another ``CheckpointIO`` its
-    tensors are made whole first (the copy of the state the engine's writer avoids)."""
+    tensors are made whole first (the copy of the state the engine's writer avoids), and the save
+    is blocking."""
     if _local_torch_file(strategy.checkpoint_io, path, storage_options):
-        engine.save_file(checkpoint, path)  # type: ignore[arg-type]
+        engine.save_file(checkpoint, path,  # type: ignore[arg-type]
+                         blocking=not strategy.async_checkpoint)
         return
     checkpoint = stream.materialize(checkpoint)
     if strategy.is_global_zero:
@@ -181,17 +183,17 @@ def is_sharded(path: object) -> bool:
     return _sharded_dir(path) is not None
 
 
-def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH,
-                 is_global_zero: bool) -> None:
-    """Collective: every rank writes its shard, rank 0 adds ``meta``, published as one folder."""
+def save_sharded(engine: ZeroOffload, meta: dict[str, Any], path: _PATH, strategy: Any) -> None:
+    """Collective: every rank writes its shard, rank 0 adds ``meta``, published as one folder
+    (with ``strategy.async_checkpoint``: once every rank wrote it, see ``save_checkpoint``)."""
     trained = {id(s.param): s.name for s in engine.layout.slots}
     aliases = {
         key: trained[id(t)]
         for key, t in engine.module.state_dict(keep_vars=True).items()
         if id(t) in trained
     }
-    extra = {META: {**meta, _ALIASES: aliases}} if is_global_zero else None
-    engine.save_checkpoint(path, sharded=True, extra=extra)
+    extra = {META: {**meta, _ALIASES: aliases}} if strategy.is_global_zero else None
+    engine.save_checkpoint(path, sharded=True, extra=extra, blocking=not strategy.async_checkpoint)
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:

@@ -105,9 +105,9 @@ class EngineOwner:
     engine: ZeroOffload | None
 
     def _init_engine_owner(self, config: ZeroOffloadConfig | None, sharded_checkpoint: bool,
-                           overrides: dict[str, object]) -> None:
+                           overrides: dict[str, object], async_checkpoint: bool = False) -> None:
         self.config = strategy_config(config, overrides)
-        self.sharded_checkpoint = sharded_checkpoint
+        self.sharded_checkpoint, self.async_checkpoint = sharded_checkpoint, async_checkpoint
         self.engine = None
         self.finished_engine: ZeroOffload | None = None  # torn down, its state kept for saving
 
@@ -136,6 +136,7 @@ class EngineOwner:
                 "(fabric.setup() with an optimizer was already called)"
             )
         optimizer = single_optimizer(optimizers)
+        _refuse_async_io(getattr(self, "checkpoint_io", None))
         self.finished_engine = None  # a new run: the previous one's kept state goes
         # the strategy reports the precision in use (config.precision) from here on
         self.config = config = self.config.resolve_precision(precision, source=source)
@@ -147,6 +148,12 @@ class EngineOwner:
                                   device=device, device_mesh=mesh)
         return optimizer, self.engine
 
+    def remove_checkpoint(self, filepath: object) -> None:
+        """``ModelCheckpoint`` replacing an older file: after the save in flight (collective)."""
+        if self.saving_engine is not None:
+            self.saving_engine.wait_for_save()
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+
     def _stop_engine(self, failure: BaseException | None | EllipsisType = ...) -> None:
         """Collective: the engine's fp32 master weights go back into the module; its host state
         is kept for a save after training (``trainer.save_checkpoint`` once ``fit`` returned).
@@ -154,6 +161,18 @@ class EngineOwner:
         if self.engine is not None:
             self.engine.teardown(copy_weights_to_module=True, keep_state=True, failure=failure)
             self.finished_engine, self.engine = self.engine, None
+
+
+def _refuse_async_io(checkpoint_io: object) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    if isinstance(checkpoint_io, AsyncCheckpointIO):
+        raise ValueError(
+            "zero_offload: Lightning's AsyncCheckpointIO clones every tensor of a checkpoint on "
+            "the training thread, a whole second copy of the optimizer state that nothing checks "
+            "against host memory. Remove the plugin and use ZeroOffloadStrategy("
+            "async_checkpoint=True) (Fabric: ZeroOffloadFabricStrategy(async_checkpoint=True)), "
+            "which copies the state only where host memory allows it")
 
 
 def with_config_fields(init: Callable[..., None]) -> Callable[..., None]:

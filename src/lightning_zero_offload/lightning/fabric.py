@@ -62,6 +62,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         config: ZeroOffloadConfig | None = None,
         *,
         sharded_checkpoint: bool = False,
+        async_checkpoint: bool = False,
         parallelize_fn: Callable[[Module, Any], Module] | None = None,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
@@ -75,7 +76,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **config_overrides: object,
     ) -> None:
-        self._init_engine_owner(config, sharded_checkpoint, config_overrides)
+        self._init_engine_owner(config, sharded_checkpoint, config_overrides, async_checkpoint)
         self._parallelize_fn = parallelize_fn
         self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
         self._device_mesh: Any = None
@@ -240,7 +241,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         converted = self._convert_stateful_objects_in_state(rest, filter=filter or {})
         if self.sharded_checkpoint:
             converted[_OWNED] = owned
-            ckpt.save_sharded(engine, converted, path, self.is_global_zero)
+            ckpt.save_sharded(engine, converted, path, self)
             self.barrier("zero_offload_save")
             return
         kinds = set(owned.values())  # gather only what is saved (the weights are a third)

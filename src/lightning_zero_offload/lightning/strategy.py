@@ -63,11 +63,11 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             may also be passed as keyword shortcuts, e.g. ``ZeroOffloadStrategy(cpu_threads=8)``.
             The precision comes from ``Trainer(precision=...)``: ``"32-true"``,
             ``"bf16-mixed"`` or ``"16-mixed"`` (a config whose ``precision`` is set must agree).
-        sharded_checkpoint: write checkpoints as a directory with one file per rank (each rank's
-            partition of the master weights and Adam state) instead of one consolidated file.
-            Use it when the model is too large to gather on one rank. Consolidated files hold
-            the fp32 master weights under ``"state_dict"``, so ``load_from_checkpoint`` works
-            without this strategy.
+        sharded_checkpoint: a checkpoint is a directory of one file per rank (its partition of
+            the master weights and Adam state), not one consolidated file (fp32 master weights
+            under ``"state_dict"``: ``load_from_checkpoint`` works without this strategy).
+        async_checkpoint: a save returns once the state is copied to host memory (where it
+            fits; else it blocks, with a warning), a thread writes it; ``AsyncCheckpointIO``: no.
 
         data_parallel_size, tensor_parallel_size: as in Lightning's ``ModelParallelStrategy``: a
             2-D ``DeviceMesh`` ("data_parallel", "tensor_parallel") that ``configure_model`` gets
@@ -99,6 +99,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         config: ZeroOffloadConfig | None = None,
         *,
         sharded_checkpoint: bool = False,
+        async_checkpoint: bool = False,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
         accelerator: Accelerator | None = None,
@@ -111,7 +112,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **config_overrides: object,
     ) -> None:
-        self._init_engine_owner(config, sharded_checkpoint, config_overrides)
+        self._init_engine_owner(config, sharded_checkpoint, config_overrides, async_checkpoint)
         self._logged_profile = 0  # the engine step whose profile was logged last
         self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
         self._device_mesh: Any = None
@@ -153,8 +154,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @property
     def grad_norm(self) -> Tensor | None:
-        """The last pre-clip global gradient norm over all ranks (kept after ``fit()``);
-        ``None`` before a step."""
+        """The last pre-clip global gradient norm (all ranks, kept after ``fit()``), else None."""
         return self.precision_plugin.grad_norm
 
     # -- setup / teardown ----------------------------------------------------------------------
@@ -355,7 +355,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     ) -> None:
         engine = self.saving_engine
         if engine is not None and self.sharded_checkpoint:
-            ckpt.save_sharded(engine, checkpoint, filepath, self.is_global_zero)
+            ckpt.save_sharded(engine, checkpoint, filepath, self)
             self.barrier("zero_offload_save")
             return
         if engine is not None:  # collective: the stand-ins are made as rank 0 writes them

@@ -24,8 +24,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero_offload.core import collectives, rule, shard_view
-from lightning_zero_offload.core.checkpoint import agreement, files, formats, stream, validation
-from lightning_zero_offload.core.checkpoint.gather import BucketGather, in_bucket_order, later, trim
+from lightning_zero_offload.core.checkpoint import (
+    agreement,
+    files,
+    formats,
+    gather,
+    pending,
+    stream,
+    validation,
+)
+from lightning_zero_offload.core.checkpoint.gather import trim
+from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
@@ -42,6 +51,7 @@ class EngineState:
         self.host, self.weights, self.stepper = host, weights, stepper
         self.module, self.param_groups, self.precision = module, param_groups, precision
         self.group_sizes = list(layout.group_sizes)
+        self.pending: PendingSave | None = None  # an asynchronous save in flight
 
     @property
     def tp(self) -> TensorParallel | None:
@@ -90,6 +100,7 @@ class EngineState:
         }
 
     def load_shard(self, state: dict) -> None:
+        self.settle()  # a save in flight reads the state this changes
         if self._converts_layout(state):
             self._load_converted(state)
             return
@@ -143,39 +154,9 @@ class EngineState:
         return [shard_view.group_master(self.host, g) for g in range(len(self.group_sizes))]
 
     def full_later(self, *, model: bool, optimizer: bool) -> dict:
-        """``full()``'s form with ``stream.Later`` stand-ins for the trained tensors: nothing is
-        gathered or copied until each is made (collective: ``stream.write`` on the rank that
-        writes, ``stream.make_all`` on the others, in the order they were created)."""
-        coll = (collectives.collective_device(self.group, self.weights.dev.device)
-                if self.world_size > 1 else None)
-        gather = BucketGather(self.layout, self.host, self.rank, self.group, coll)
-        slots, tp = in_bucket_order(self.layout), self.tp
-        kinds = (["master"] if model else []) + (list(rule.STATE_NAMES) if optimizer else [])
-        made = {kind: {s.index: later(gather, kind, s, tp) for s in slots} for kind in kinds}
-        counters = self.stepper.state_dict()
-        full: dict[str, Any] = {"format": formats.FULL_FORMAT}
-        if model:
-            index = {id(s.param): s.index for s in self.layout.slots}
-            untrained = self.weights.untrained()
-            names = self.module.state_dict(keep_vars=True)
-            full["model"] = {
-                name: made["master"][index[id(t)]] if id(t) in index else
-                (tp.whole_value(t, untrained[name]) if tp is not None else untrained[name])
-                for name, t in names.items()}
-        if optimizer:
-            state = {s.index: {"step": torch.tensor(float(n)),
-                               **{k: made[k][s.index] for k in rule.STATE_NAMES}}
-                     for s, n in zip(self.layout.slots, counters["param_steps"], strict=True)
-                     if n > 0}
-            param_groups, first = [], 0
-            for group, size in zip(self.param_groups, self.group_sizes, strict=True):
-                param_groups.append({**formats.group_hparams(group),
-                                     "params": list(range(first, first + size))})
-                first += size
-            full["optimizer"] = {"state": dict(sorted(state.items())),
-                                 "param_groups": param_groups}
-        full["scaler"] = counters["scaler"]
-        return full
+        """``ZeroOffload.full_state_dict()``'s form with ``stream.Later`` stand-ins for the
+        trained tensors (``gather.full_later``)."""
+        return gather.full_later(self, model=model, optimizer=optimizer)
 
     def _params(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
         """The module's tensors by state_dict key, and the trained parameters by index."""
@@ -209,6 +190,7 @@ class EngineState:
         return model, opt
 
     def load_full(self, state: dict) -> None:
+        self.settle()  # a save in flight reads the state this changes
         model, opt = self._local(*validation.check_full(state, self))
         with torch.no_grad():
             self._fill_module(model, strict=True)
@@ -245,22 +227,52 @@ class EngineState:
                 group.update(formats.group_hparams(saved))
 
     # -- checkpoint files ---------------------------------------------------------------------
-    def _coll(self) -> torch.device:
+    def coll(self) -> torch.device:
         _, world, group = self.files_rank
         return (collectives.collective_device(group, self.weights.dev.device)
                 if world > 1 else torch.device("cpu"))
 
-    def _agree(self, error: BaseException | None) -> None:
+    def agree(self, error: BaseException | None) -> None:
         _, world, group = self.files_rank
-        agreement.agree(error, world, group, self._coll())
+        agreement.agree(error, world, group, self.coll())
 
     def save(self, path: str | os.PathLike, *, sharded: bool,
-             extra: dict[str, dict] | None = None) -> None:
+             extra: dict[str, dict] | None = None, blocking: bool = True) -> PendingSave | None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
         rank, and a failed save leaves nothing behind; an OS error names ``path``."""
+        self.settle()
         path = files.check_name(path)
+        if not blocking:
+            if sharded:
+                shard = {**self.shard(), "module_extra": self.weights.untrained()}
+                self.pending = pending.start_dir(self, path, shard, extra or {})
+            else:
+                self.pending = pending.start_file(
+                    self, self.full_later(model=True, optimizer=True), path)
+            if self.pending is not None:
+                return self.pending
         with files.writing(path):
             self._save(path, sharded, extra)
+        return None
+
+    def settle(self) -> None:
+        """Collective while a save is in flight: it ends (published, or raising)."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            p.wait()
+
+    def abandon(self) -> None:
+        """Local (a failed run): a save in flight is dropped unpublished once written."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            p.abandon()
+
+    def poll(self) -> None:
+        """Collective while a save is in flight (every step): settle it once written."""
+        if self.pending is not None:
+            p, self.pending = self.pending, None
+            if not p.poll():
+                self.pending = p
 
     def _save(self, path: Path, sharded: bool, extra: dict[str, dict] | None) -> None:
         rank, world, group = self.files_rank
@@ -269,34 +281,41 @@ class EngineState:
             self._write_file(self.full_later(model=True, optimizer=True), path)
             return
         token, error = files.begin_dir(path) if on_zero else ("", None)
-        token = agreement.share_token(token, world, group, self._coll())
+        token = agreement.share_token(token, world, group, self.coll())
         if error is not None or not token:
             raise error or formats.CheckpointError(
                 f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
         tmp = files.temp_path(path, "tmp", token)
         try:
             shard = {**self.shard(), "module_extra": self.weights.untrained()}
-            self._agree(agreement.capture(lambda: files.atomic_save(
+            self.agree(agreement.capture(lambda: files.atomic_save(
                 shard, tmp / files.shard_name(rank, world))))
-            self._agree(agreement.capture(lambda: self._publish(tmp, path, token, world,
+            self.agree(agreement.capture(lambda: self._publish(tmp, path, token, world,
                                                                 extra or {}))
                         if on_zero else None)
         finally:
             if on_zero:
                 files.discard(tmp)  # left only if the save failed: nothing of it is kept
 
-    def save_file(self, obj: dict, path: str | os.PathLike) -> None:
+    def save_file(self, obj: dict, path: str | os.PathLike,
+                  blocking: bool = True) -> PendingSave | None:
         """Collective. ``obj`` (its stand-ins from :meth:`full_later` made as they are written)
         as one checksummed file that rank 0 writes; an error on any rank raises on every rank."""
+        self.settle()
         path = files.check_name(path)
+        if not blocking:
+            self.pending = pending.start_file(self, obj, path)
+            if self.pending is not None:
+                return self.pending
         with files.writing(path):
             self._write_file(obj, path)
+        return None
 
     def _write_file(self, obj: dict, path: Path) -> None:
         on_zero = self.files_rank[0] == 0
-        self._agree(agreement.capture(lambda: files.check_file_target(path)) if on_zero else None)
+        self.agree(agreement.capture(lambda: files.check_file_target(path)) if on_zero else None)
         try:
-            self._agree(agreement.capture(lambda: files.atomic_save(obj, path) if on_zero
+            self.agree(agreement.capture(lambda: files.atomic_save(obj, path) if on_zero
                                           else stream.make_all(obj)))
         finally:
             trim()
@@ -311,8 +330,9 @@ class EngineState:
         """Collective. What ``save`` wrote, at this or any other world size: everything is read
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
+        self.settle()
         loaded: list[tuple[str, dict]] = []
-        self._agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
+        self.agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
         if self.tp is not None and self._anywhere(kind == "local"):
             # Uneven TP shards: this rank's layout may be the saved one while a peer's is not
@@ -324,7 +344,7 @@ class EngineState:
                     self._read(files.resolve(path), consolidate=True)))
             else:
                 error = None
-            self._agree(error)
+            self.agree(error)
             kind, state = loaded[0]
         if kind == "shard":
             with torch.no_grad():
@@ -339,7 +359,7 @@ class EngineState:
         _, world, group = self.files_rank
         if world == 1:
             return flag
-        t = torch.tensor([float(flag)], device=self._coll())
+        t = torch.tensor([float(flag)], device=self.coll())
         collectives.all_reduce(t, dist.ReduceOp.MAX, group, "agreement on a checkpoint's path")
         return bool(t.item())
 

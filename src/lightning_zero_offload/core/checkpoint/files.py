@@ -171,23 +171,34 @@ def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
     """``obj`` plus its checksum in ``torch.save``'s format (``stream.write``: a tensor at a
     time, ``stream.Later`` stand-ins made as they are written) to a per-process temporary name
     in the same folder (created with its parents if missing, as a sharded save's is), fsync,
-    then rename over ``path``: a crash leaves the old file or the new one."""
+    then renamed over ``path``: a crash leaves the old file or the new one."""
     path = check_name(path)
+    publish_file(write_temp(obj, path), path)
+
+
+def write_temp(obj: Mapping, path: Path) -> Path:
+    """``obj`` written beside ``path`` under a temporary name (removed if the write fails)."""
     check_file_target(path)
     tmp = temp_path(path, "tmp", new_token())
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write(obj, path, tmp)
+        try:
+            stream.write(obj, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return tmp
+
+
+def publish_file(tmp: Path, path: Path) -> None:
+    """What :func:`write_temp` wrote, renamed over ``path``."""
+    with writing(path):
+        try:
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
     clean_leftovers(path)
-
-
-def _write(obj: Mapping, path: Path, tmp: Path) -> None:
-    try:
-        stream.write(obj, tmp)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _unsafe_types(e: BaseException) -> bool:

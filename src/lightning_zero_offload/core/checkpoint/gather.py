@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives, shard_view
+from lightning_zero_offload.core import collectives, rule, shard_view
+from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.core.checkpoint.stream import Later
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.checkpoint.engine_state import EngineState
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
 
@@ -83,3 +87,40 @@ def later(gather: BucketGather, kind: str, slot: Slot, tp: Any) -> Later:
         return tp.whole_value(slot.param, value) if tp is not None else value
 
     return Later(tuple(slot.param.shape), torch.float32, make)
+
+
+def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
+    """``ZeroOffload.full_state_dict()``'s form with ``stream.Later`` stand-ins for the trained
+    tensors: nothing is gathered or copied until each is made (collective: ``stream.write`` on
+    the rank that writes, ``stream.make_all`` on the others, in the order they were created)."""
+    coll = (collectives.collective_device(state.group, state.weights.dev.device)
+            if state.world_size > 1 else None)
+    gather = BucketGather(state.layout, state.host, state.rank, state.group, coll)
+    slots, tp = in_bucket_order(state.layout), state.tp
+    kinds = (["master"] if model else []) + (list(rule.STATE_NAMES) if optimizer else [])
+    made = {kind: {s.index: later(gather, kind, s, tp) for s in slots} for kind in kinds}
+    counters = state.stepper.state_dict()
+    full: dict[str, Any] = {"format": formats.FULL_FORMAT}
+    if model:
+        index = {id(s.param): s.index for s in state.layout.slots}
+        untrained = state.weights.untrained()
+        names = state.module.state_dict(keep_vars=True)
+        full["model"] = {
+            name: made["master"][index[id(t)]] if id(t) in index else
+            (tp.whole_value(t, untrained[name]) if tp is not None else untrained[name])
+            for name, t in names.items()}
+    if optimizer:
+        per_param = {s.index: {"step": torch.tensor(float(n)),
+                               **{k: made[k][s.index] for k in rule.STATE_NAMES}}
+                     for s, n in zip(state.layout.slots, counters["param_steps"], strict=True)
+                     if n > 0}
+        param_groups, first = [], 0
+        for group, size in zip(state.param_groups, state.group_sizes, strict=True):
+            param_groups.append({**formats.group_hparams(group),
+                                 "params": list(range(first, first + size))})
+            first += size
+        full["optimizer"] = {"state": dict(sorted(per_param.items())),
+                             "param_groups": param_groups}
+    full["scaler"] = counters["scaler"]
+    return full
+

@@ -1,0 +1,126 @@
+"""Checkpoint speed, side by side in one process, against the disk's own speed.
+
+One engine (``--params`` fp32 parameters, default 1e8, in wide ``Linear`` layers; ``32-true``,
+fp32 moments, one rank, one step taken) is saved and loaded several ways, each ``--repeats``
+times, medians reported with ratios:
+
+- ``raw write``: the same bytes (master and both moments) written with one ``write`` and an
+  ``fsync``: the disk's ceiling for these bytes;
+- ``torch.save``: of ``engine.full_state_dict()`` (what the consolidated save did before: the
+  state copied, then pickled) with ``fsync``;
+- ``ours sharded`` / ``ours consolidated``: ``engine.save_checkpoint(sharded=True/False)``;
+- loads: ``torch.load`` of our consolidated file (whole, not mapped) against
+  ``engine.load_checkpoint`` of the consolidated file and of the sharded folder.
+
+Not measured here: DCP's save and the asynchronous save (not built yet). The page cache is not
+dropped between repeats (that needs root and a quiet machine): reads are from memory after the
+first, so the loads compare the CPU work of each way.
+
+Run: ``PYTHONPATH=src python benchmarks/checkpoint_speed.py [--params 1e8] [--repeats 3]
+[--dir DIR]``; prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lightning_zero_offload import ZeroOffload
+
+
+def _engine(params: float, width: int = 4096) -> ZeroOffload:
+    layers = max(1, round(params / (width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(layers)])
+    engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true",
+                         offload_fraction=1.0)
+    engine.backward(model(torch.randn(2, width)).square().mean())
+    engine.step()
+    engine.zero_grad()
+    return engine
+
+
+def _timed(fn: Callable[[], object], repeats: int, cleanup: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeats):
+        cleanup()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fsynced_save(obj: object, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_write(data: list[torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as f:
+        for t in data:
+            f.write(memoryview(t.view(torch.uint8).numpy()))  # type: ignore[arg-type]
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=1e8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    args = ap.parse_args()
+    engine = _engine(args.params)
+    host = engine._host  # noqa: SLF001  (the bytes a raw write of the state writes)
+    data = [*host.master, *host.exp_avg, *host.exp_avg_sq]
+    nbytes = sum(t.nbytes for t in data)
+    root = Path(tempfile.mkdtemp(dir=args.dir))
+    paths = {k: root / k for k in ("raw", "torch.pt", "sharded", "full.pt")}
+
+    def clean() -> None:
+        for p in paths.values():
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    rows = {
+        "raw write + fsync": _timed(lambda: _raw_write(data, paths["raw"]), args.repeats, clean),
+        "torch.save(full_state_dict())": _timed(
+            lambda: _fsynced_save(engine.full_state_dict(), paths["torch.pt"]), args.repeats,
+            clean),
+        "ours sharded": _timed(lambda: engine.save_checkpoint(paths["sharded"]), args.repeats,
+                               clean),
+        "ours consolidated": _timed(
+            lambda: engine.save_checkpoint(paths["full.pt"], sharded=False), args.repeats, clean),
+    }
+    engine.save_checkpoint(paths["sharded"])
+    engine.save_checkpoint(paths["full.pt"], sharded=False)
+    loads = {
+        "torch.load (whole file)": _timed(
+            lambda: torch.load(paths["full.pt"], weights_only=True), args.repeats, lambda: None),
+        "ours load consolidated": _timed(
+            lambda: engine.load_checkpoint(paths["full.pt"]), args.repeats, lambda: None),
+        "ours load sharded": _timed(
+            lambda: engine.load_checkpoint(paths["sharded"]), args.repeats, lambda: None),
+    }
+    shutil.rmtree(root, ignore_errors=True)
+    raw, base = rows["raw write + fsync"], loads["torch.load (whole file)"]
+    print(f"{args.params:.0e} parameters, {nbytes / 1e9:.2f} GB of state, medians of "
+          f"{args.repeats}\n")
+    print("| way | seconds | GB/s | x raw write |\n|---|---|---|---|")
+    for name, t in rows.items():
+        print(f"| {name} | {t:.2f} | {nbytes / t / 1e9:.2f} | {t / raw:.2f} |")
+    print("\n| load | seconds | x torch.load |\n|---|---|---|")
+    for name, t in loads.items():
+        print(f"| {name} | {t:.2f} | {t / base:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Asynchronous saves: the caller waits only for a copy of the state in host memory, a thread
+writes it, and the checkpoint is published once every rank's write succeeded.
+
+The copy is checked first against the host's available memory; where it does not fit, one
+warning names the bytes short and the save is blocking. A save in flight is settled (published,
+or its failure raised on every rank, naming the file, the previous checkpoint intact) by
+:meth:`PendingSave.wait` or by the engine's next ``step`` once every rank's write has ended; with
+one rank the thread publishes it itself. A second save, a load and ``teardown`` wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core.checkpoint import agreement, files, stream
+from lightning_zero_offload.core.checkpoint.crc import tensors
+from lightning_zero_offload.core.checkpoint.formats import CheckpointError
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.core.checkpoint.engine_state import EngineState
+
+
+class PendingSave:
+    """A save in flight (``save_checkpoint(..., blocking=False)``): ``done()``, ``wait()``."""
+
+    def __init__(self, state: EngineState, path: Path, write: Callable[[], None],
+                 publish: Callable[[], None], discard: Callable[[], object]) -> None:
+        self.path, self._state = path, state
+        self._write, self._publish, self._discard = write, publish, discard
+        self._error: BaseException | None = None
+        self._settled = False
+        # not a daemon: an interpreter that exits first waits for the write (and, alone, publish)
+        self._thread = threading.Thread(target=self._run, name="zero-offload-save")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._write()
+            if self._state.files_rank[1] == 1:  # alone: nobody to agree with
+                self._publish()
+        except BaseException as e:  # raised in the caller's thread when it settles
+            self._error = e
+
+    def done(self) -> bool:
+        """Local: whether this rank's write has ended (written, or failed)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Collective: the checkpoint is written and published, or this raises on every rank."""
+        self._thread.join()
+        self._settle()
+
+    def poll(self) -> bool:
+        """Collective (the engine's ``step``): settle once every rank's write has ended; whether
+        it has."""
+        if not self._settled:
+            ended = self.done()
+            if self._state.files_rank[1] > 1:
+                ended = _reduce(self._state, float(not ended), dist.ReduceOp.MAX) == 0
+            if ended:
+                self._settle()
+        return self._settled
+
+    def abandon(self) -> None:
+        """Local (a run that failed: no collective): wait for this rank's write and drop what
+        was not published."""
+        self._thread.join()
+        if not self._settled and self._state.files_rank[0] == 0 and (
+                self._state.files_rank[1] > 1 or self._error is not None):
+            self._discard()
+        self._settled = True
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        rank, world, group = self._state.files_rank
+        try:
+            if world == 1:
+                if self._error is not None:
+                    raise self._error
+                return
+            agreement.agree(self._error, world, group, self._state.coll())
+            error = agreement.capture(self._publish) if rank == 0 else None
+            agreement.agree(error, world, group, self._state.coll())
+        except BaseException as e:
+            if rank == 0:
+                self._discard()
+            if isinstance(e, CheckpointError) and self._error is None:
+                raise CheckpointError(
+                    f"the asynchronous save of {str(self.path)!r} failed on another rank ({e}); "
+                    "it was not published, the previous checkpoint is intact") from e
+            raise
+
+
+def _reduce(state: EngineState, value: float, op: Any) -> float:
+    _, world, group = state.files_rank
+    if world == 1:
+        return value
+    t = torch.tensor([value], device=state.coll())
+    collectives.all_reduce(t, op, group, "agreement on an asynchronous save")
+    return float(t.item())
+
+
+def _nbytes(obj: Any) -> int:
+    """Host bytes of ``obj``'s copy: its stand-ins made and its tensors cloned."""
+    return sum(x.numel() * x.element_size() for x in [*stream.laters(obj), *tensors(obj)])
+
+
+def _room(state: EngineState, needed: int, path: Path) -> bool:
+    """Collective: whether every rank has ``needed`` bytes for its copy; else one warning."""
+    short = _reduce(state, float(max(0, needed - psutil.virtual_memory().available)),
+                    dist.ReduceOp.MAX)
+    if short > 0 and state.files_rank[0] == 0:
+        warnings.warn(
+            f"not enough host memory for an asynchronous save of {str(path)!r}: its copy of the "
+            f"state is {format_bytes(int(short), exact=True)} short of what is available (on "
+            "the rank shortest of it); saving it blocking instead", stacklevel=4)
+    return short == 0
+
+
+def _copied(obj: Any) -> Any:
+    """``obj`` with its stand-ins made and every tensor cloned: the snapshot a thread writes."""
+    made = stream.materialize(obj)
+
+    def clone(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return o.detach().clone()
+        if isinstance(o, dict):
+            return {k: clone(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return type(o)(clone(v) for v in o)
+        return o
+
+    return clone(made)
+
+
+def start_file(state: EngineState, obj: dict, path: Path) -> PendingSave | None:
+    """Collective. A single file (``obj`` may hold stand-ins) that rank 0 writes, or None where
+    the copy does not fit (then the caller saves blocking)."""
+    on_zero = state.files_rank[0] == 0
+    state.agree(agreement.capture(lambda: files.check_file_target(path)) if on_zero else None)
+    if not _room(state, _nbytes(obj) if on_zero else 0, path):
+        return None
+    if not on_zero:
+        stream.make_all(obj)  # this rank's part of the gathers, nothing kept
+        return PendingSave(state, path, lambda: None, lambda: None, lambda: None)
+    snapshot, temp = _copied(obj), []
+    write = lambda: temp.append(files.write_temp(snapshot, path))  # noqa: E731
+    return PendingSave(state, path, write, lambda: files.publish_file(temp[0], path),
+                       lambda: [files.discard(t) for t in temp])
+
+
+def start_dir(state: EngineState, path: Path, shard: dict,
+              extra: dict[str, dict]) -> PendingSave | None:
+    """Collective. A sharded folder: every rank writes its shard, rank 0 also ``extra``."""
+    rank, world, group = state.files_rank
+    if not _room(state, _nbytes(shard), path):
+        return None
+    on_zero = rank == 0
+    token, error = files.begin_dir(path) if on_zero else ("", None)
+    token = agreement.share_token(token, world, group, state.coll())
+    if error is not None or not token:
+        raise error or CheckpointError(
+            f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
+    tmp = files.temp_path(path, "tmp", token)
+    snapshot = _copied(shard)
+    extras = _copied(extra) if on_zero else {}
+
+    def write() -> None:
+        files.atomic_save(snapshot, tmp / files.shard_name(rank, world))
+        for name, obj in extras.items():
+            files.atomic_save(obj, tmp / name)
+
+    def publish() -> None:
+        if on_zero:
+            files.publish_dir(tmp, path, world, token)
+
+    return PendingSave(state, path, write, publish, lambda: files.discard(tmp))
