@@ -89,7 +89,7 @@ def test_the_next_step_publishes_and_a_second_save_waits(tmp_path, monkeypatch):
     while not first.done():
         time.sleep(0.01)
     train_buffer_net(engine, 1)  # the step settles it
-    assert (tmp_path / "a").is_dir() and engine._state.pending is None
+    assert (tmp_path / "a").is_dir() and engine._state.saves.save is None
     second = engine.save_checkpoint(tmp_path / "b", blocking=False)
     engine.save_checkpoint(tmp_path / "c")  # waits for "b" first
     assert second is not None and second.done() and (tmp_path / "b").is_dir()

@@ -115,6 +115,33 @@ def test_engine_save_and_load_hold_no_second_copy(tmp_path, world, moment_dtype,
             assert load <= SLACK, f"{where}: the load peaked {load / MiB:.0f} MiB over before"
 
 
+def _save_sharded(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    _engine("fp32", 1.0).save_checkpoint(f"{folder}/two_ranks")
+
+
+def _measure_converted_load(rank: int, world: int, folder: str) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for moment_dtype in ("fp32", "int8"):  # another world size; and another moment_dtype
+        engine = _engine(moment_dtype, 1.0)
+        with Peak() as load:
+            engine.load_checkpoint(f"{folder}/two_ranks")
+        out[moment_dtype] = load.over
+        engine.teardown()
+        del engine
+    return out
+
+
+@pytest.mark.slow
+def test_a_load_into_another_world_size_or_moment_dtype_holds_no_second_copy(tmp_path):
+    run_ranks(_save_sharded, 2, str(tmp_path), timeout=300)
+    (res,) = run_ranks(_measure_converted_load, 1, str(tmp_path), timeout=300)
+    for moment_dtype, over in res.items():
+        assert over <= SLACK, (f"loading 2 ranks' shards into 1 rank with {moment_dtype} moments "
+                               f"peaked {over / MiB:.0f} MiB over before")
+
+
 def _measure_trainer(rank: int, world: int, folder: str) -> dict:
     import lightning.pytorch as pl
 

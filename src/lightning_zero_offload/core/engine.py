@@ -186,7 +186,7 @@ class ZeroOffload:
             self._calls += 1
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
-            self._state.poll()  # an asynchronous save published once every rank wrote it
+            self._state.saves.poll()  # an asynchronous save published once every rank wrote it
             if self._part.wants_move:  # "auto": once, after the first step, nothing in flight
                 self._delayed.join()
                 self._streamer.drain()
@@ -322,7 +322,7 @@ class ZeroOffload:
 
     def wait_for_save(self) -> None:
         """Collective: a save in flight (``blocking=False``) ends, published or raising."""
-        self._state.settle()
+        self._state.saves.settle()
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective. Load what ``save_checkpoint`` wrote, at this or any other world size."""
@@ -343,7 +343,7 @@ class ZeroOffload:
             collectives.report_failure(error)
             copy_weights_to_module &= self.world_size == 1
         try:  # a save in flight ends first (a failed run drops it, no collective)
-            (self._state.settle if error is None else self._state.abandon)()
+            (self._state.saves.settle if error is None else self._state.saves.abandon)()
             self.gather_weights() if copy_weights_to_module else self.synchronize()
         except Exception as e:
             broken = e

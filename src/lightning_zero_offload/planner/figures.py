@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.planner import inputs, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
@@ -60,6 +61,11 @@ class Plan:
     device_memory_headroom: float = split.DEFAULT_HEADROOM
     device_optimizer_bytes: int = 0  # device-resident optimizer state and gradients
     offload_fraction_after_first_step: float | None = None  # "auto" once the peak is measured
+    # an asynchronous save's copy of the state (a blocking one holds none): per rank for a
+    # sharded save, on rank 0 for a consolidated one; whether each fits beside the run
+    async_copy_sharded: int = 0
+    async_copy_consolidated: int = 0
+    async_copy_fits: dict[str, bool | None] = field(default_factory=dict)
 
     @property
     def host_usable(self) -> int | None:
@@ -347,6 +353,10 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
             largest, blocked = None, "activations"
     optimizer = sum(dev.get(key, 0) for key in split.device_state(1, 1, False))
+    copies = _async_copies(total - frozen, st["world_size"], st["moment_dtype"], k)
+    room = None if usable is None else usable - host_bytes * ranks
+    copy_fits = {kind: None if room is None else copy * (ranks if kind == "sharded" else 1)
+                 <= room for kind, copy in copies.items()}
     return Plan(total, total - frozen, st["precision"], st["world_size"], device, dev_bytes,
                 dev, host_bytes, host, host_acc, host_bytes * ranks, dev_mem, host_mem, fits,
                 device_fits, host_fits, largest, None, None, None, notes,
@@ -357,4 +367,17 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 offload_fraction=split.host_fraction(own, k),
                 offload_fraction_setting=st["offload_fraction"],
                 device_memory_headroom=st["headroom"], device_optimizer_bytes=optimizer,
-                offload_fraction_after_first_step=after)
+                offload_fraction_after_first_step=after,
+                async_copy_sharded=copies["sharded"],
+                async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits)
+
+
+def _async_copies(trained: int, world_size: int, moment_dtype: str,
+                  on_device: int) -> dict[str, int]:
+    """Bytes an asynchronous save copies (``core.checkpoint.pending``): a sharded save a rank's
+    shard as it is saved (fp32 master; the moments as held, fp32 where a device part is), a
+    consolidated one the whole model's fp32 master and moments, on rank 0."""
+    shard = -(-trained // world_size)
+    saved = moment_dtype if on_device == 0 else "fp32"
+    return {"sharded": 4 * shard + rule.state_bytes(shard, saved),
+            "consolidated": 4 * trained * (1 + len(rule.STATE_NAMES))}

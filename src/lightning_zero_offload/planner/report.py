@@ -47,6 +47,17 @@ def _split(p: Any) -> list[str]:
     return lines
 
 
+def _checkpoints(p: Any) -> str:
+    """What a checkpoint needs beside the run: nothing blocking, a copy asynchronous."""
+    said = {True: "fits beside the run", False: "does NOT fit beside the run: it saves blocking",
+            None: "give --host-memory to check"}
+    fits = p.async_copy_fits
+    return ("checkpoints: a blocking save or load holds no copy of the state; an asynchronous "
+            f"save (async_checkpoint=True) copies it: sharded {_size(p.async_copy_sharded)} "
+            f"per rank ({said[fits.get('sharded')]}), consolidated "
+            f"{_size(p.async_copy_consolidated)} on rank 0 ({said[fits.get('consolidated')]})")
+
+
 def render(p: Any) -> str:
     """The planner's text report of plan ``p``."""
     yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
@@ -93,6 +104,7 @@ def render(p: Any) -> str:
         lines.append(f"largest model that fits: {p.max_params_that_fit / 1e9:.2f}B parameters "
                      "(same settings" + (", activations held at this batch and model)"
                                          if p.activation_bytes else "; activations not counted)"))
+    lines.append(_checkpoints(p))
     rate = p.kernel_params_per_second
     if p.cpu_step_seconds is not None and rate is not None:
         lines.append(f"predicted CPU step: {p.cpu_step_seconds:.3f} s per optimizer step "

@@ -30,6 +30,7 @@ from lightning_zero_offload.core.checkpoint import (
     formats,
     gather,
     pending,
+    reader,
     stream,
     validation,
 )
@@ -51,7 +52,7 @@ class EngineState:
         self.host, self.weights, self.stepper = host, weights, stepper
         self.module, self.param_groups, self.precision = module, param_groups, precision
         self.group_sizes = list(layout.group_sizes)
-        self.pending: PendingSave | None = None  # an asynchronous save in flight
+        self.saves = pending.InFlight()  # an asynchronous save in flight
 
     @property
     def tp(self) -> TensorParallel | None:
@@ -72,7 +73,11 @@ class EngineState:
         return dist.get_rank(), dist.get_world_size(), None
 
     def _fill_module(self, values: dict[str, Tensor], *, strict: bool) -> None:
-        """The module's tensors from ``values`` (under tensor parallelism: local shards)."""
+        """The module's tensors from ``values`` (under tensor parallelism: local shards); the
+        stand-ins of trained ones are left to the master weights, pushed after a load."""
+        if any(isinstance(v, stream.Later) for v in values.values()):
+            values, strict = {k: v for k, v in values.items()
+                              if not isinstance(v, stream.Later)}, False  # keys were checked
         if self.tp is None:
             self.module.load_state_dict(values, strict=strict)
             return
@@ -100,7 +105,7 @@ class EngineState:
         }
 
     def load_shard(self, state: dict) -> None:
-        self.settle()  # a save in flight reads the state this changes
+        self.saves.settle()  # a save in flight reads the state this changes
         if self._converts_layout(state):
             self._load_converted(state)
             return
@@ -126,7 +131,7 @@ class EngineState:
         names = self.module.state_dict(keep_vars=True)
         numels = [formats.shard_numel(state["layout"], g) for g in range(len(state["groups"]))]
         validation.check_shard_groups(state, numels, "ZeroOffload.load_state_dict")
-        full = formats.consolidate([state])
+        full = reader.lazy_full([state])
         trained, untrained = self.weights.trained, self.weights.untrained()
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else untrained[k]
                  for k, v in names.items()}
@@ -190,7 +195,7 @@ class EngineState:
         return model, opt
 
     def load_full(self, state: dict) -> None:
-        self.settle()  # a save in flight reads the state this changes
+        self.saves.settle()  # a save in flight reads the state this changes
         model, opt = self._local(*validation.check_full(state, self))
         with torch.no_grad():
             self._fill_module(model, strict=True)
@@ -214,11 +219,11 @@ class EngineState:
                                                                          torch.zeros(k))
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
-                    master[sl] = model[slot.name].reshape(-1)[lo:hi]
+                    master[sl] = stream.made(model[slot.name]).reshape(-1)[lo:hi]
                     st = states.get(slot.index)
                     if st:
-                        m32[sl] = st["exp_avg"].reshape(-1)[lo:hi]
-                        v32[sl] = st["exp_avg_sq"].reshape(-1)[lo:hi]
+                        m32[sl] = stream.made(st["exp_avg"]).reshape(-1)[lo:hi]
+                        v32[sl] = stream.made(st["exp_avg_sq"]).reshape(-1)[lo:hi]
                 if own is None:
                     shard_view.write_moments(self.host, b, m32, v32)
                     trim()  # the conversion's temporaries, before the next bucket's
@@ -240,39 +245,20 @@ class EngineState:
              extra: dict[str, dict] | None = None, blocking: bool = True) -> PendingSave | None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
         rank, and a failed save leaves nothing behind; an OS error names ``path``."""
-        self.settle()
+        self.saves.settle()
         path = files.check_name(path)
         if not blocking:
             if sharded:
                 shard = {**self.shard(), "module_extra": self.weights.untrained()}
-                self.pending = pending.start_dir(self, path, shard, extra or {})
+                started = pending.start_dir(self, path, shard, extra or {})
             else:
-                self.pending = pending.start_file(
+                started = pending.start_file(
                     self, self.full_later(model=True, optimizer=True), path)
-            if self.pending is not None:
-                return self.pending
+            if started is not None:
+                return self.saves.hold(started)
         with files.writing(path):
             self._save(path, sharded, extra)
         return None
-
-    def settle(self) -> None:
-        """Collective while a save is in flight: it ends (published, or raising)."""
-        if self.pending is not None:
-            p, self.pending = self.pending, None
-            p.wait()
-
-    def abandon(self) -> None:
-        """Local (a failed run): a save in flight is dropped unpublished once written."""
-        if self.pending is not None:
-            p, self.pending = self.pending, None
-            p.abandon()
-
-    def poll(self) -> None:
-        """Collective while a save is in flight (every step): settle it once written."""
-        if self.pending is not None:
-            p, self.pending = self.pending, None
-            if not p.poll():
-                self.pending = p
 
     def _save(self, path: Path, sharded: bool, extra: dict[str, dict] | None) -> None:
         rank, world, group = self.files_rank
@@ -301,12 +287,12 @@ class EngineState:
                   blocking: bool = True) -> PendingSave | None:
         """Collective. ``obj`` (its stand-ins from :meth:`full_later` made as they are written)
         as one checksummed file that rank 0 writes; an error on any rank raises on every rank."""
-        self.settle()
+        self.saves.settle()
         path = files.check_name(path)
         if not blocking:
-            self.pending = pending.start_file(self, obj, path)
-            if self.pending is not None:
-                return self.pending
+            started = pending.start_file(self, obj, path)
+            if started is not None:
+                return self.saves.hold(started)
         with files.writing(path):
             self._write_file(obj, path)
         return None
@@ -330,7 +316,7 @@ class EngineState:
         """Collective. What ``save`` wrote, at this or any other world size: everything is read
         and checked (checksums, model, layout) on every rank before anything changes; the
         caller pushes the weights."""
-        self.settle()
+        self.saves.settle()
         loaded: list[tuple[str, dict]] = []
         self.agree(agreement.capture(lambda: loaded.append(self._read(files.resolve(path)))))
         kind, state = loaded[0]
@@ -390,7 +376,8 @@ class EngineState:
                       files.read_shards(path, -1, 0,
                                         lambda s: s.get("tensor_parallel") == place)]
             validation.validate_shards(shards, expected)
-        full = formats.consolidate(shards)
+        # without tensor parallelism, read a parameter at a time (no second copy of the state)
+        full = formats.consolidate(shards) if self.tp is not None else reader.lazy_full(shards)
         model = {k: full["model"][trained[id(v)]] if id(v) in trained else
                  shards[0]["module_extra"][k] for k, v in names.items()}
         full = {**full, "model": model, "scaler": shards[0]["scaler"]}

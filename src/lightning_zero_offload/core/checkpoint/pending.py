@@ -103,6 +103,36 @@ class PendingSave:
             raise
 
 
+class InFlight:
+    """The engine's save in flight, if any."""
+
+    def __init__(self) -> None:
+        self.save: PendingSave | None = None
+
+    def hold(self, save: PendingSave) -> PendingSave:
+        self.save = save
+        return save
+
+    def settle(self) -> None:
+        """Collective while a save is in flight: it ends (published, or raising)."""
+        if self.save is not None:
+            save, self.save = self.save, None
+            save.wait()
+
+    def poll(self) -> None:
+        """Collective while a save is in flight (every step): settled once every rank wrote."""
+        if self.save is not None:
+            save, self.save = self.save, None
+            if not save.poll():
+                self.save = save
+
+    def abandon(self) -> None:
+        """Local (a failed run): a save in flight is dropped unpublished once written."""
+        if self.save is not None:
+            save, self.save = self.save, None
+            save.abandon()
+
+
 def _reduce(state: EngineState, value: float, op: Any) -> float:
     _, world, group = state.files_rank
     if world == 1:

@@ -127,6 +127,11 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def made(x: Tensor | Later) -> Tensor:
+    """``x``, or what the stand-in ``x`` makes."""
+    return x.make() if isinstance(x, Later) else x
+
+
 def make_all(obj: Any) -> None:
     """What a rank that does not write does: make every stand-in of ``obj`` in order (its part
     of the gathers) and drop it."""
