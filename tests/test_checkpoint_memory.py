@@ -102,8 +102,7 @@ def _measure_engine(rank: int, world: int, case: tuple) -> dict:
 @pytest.mark.parametrize(("world", "moment_dtype", "fraction", "kinds"), [
     (1, "fp32", 1.0, BOTH), (1, "int8", 1.0, BOTH), (2, "fp32", 1.0, BOTH),
     (2, "int8", 1.0, BOTH),
-    # a sharded save with a device part still joins each group's host and device parts
-    (1, "fp32", 0.5, ("consolidated",))])
+    (1, "fp32", 0.5, BOTH), (1, "int8", 0.5, BOTH)])
 def test_engine_save_and_load_hold_no_second_copy(tmp_path, world, moment_dtype, fraction, kinds):
     results = run_ranks(_measure_engine, world, (str(tmp_path), moment_dtype, fraction, kinds),
                         timeout=300)

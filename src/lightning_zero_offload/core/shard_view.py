@@ -10,6 +10,8 @@ are fp32: quantizing them into the file would change the run), which loads into 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -67,6 +69,21 @@ def group_master(host: HostBuffers, g: int) -> Tensor:
     if not stages:
         return host.master[g]
     return torch.cat([host.master[g], *(s.master.cpu() for s in stages)])
+
+
+def group_pieces(host: HostBuffers, g: int, kind: str) -> Iterator[Tensor]:
+    """Group ``g``'s whole shard of ``kind`` (``"master"`` or a moment's name) as saved with a
+    device part (fp32), in pieces made one at a time: the host prefix (converted bucket by
+    bucket where its moments are compact), then each device-resident bucket's, on the host."""
+    if kind == "master" or host.moment_dtype == "fp32":
+        yield host.master[g] if kind == "master" else getattr(host.moments[g], kind)
+    else:
+        for b, bucket in enumerate(host.layout.buckets[: len(host.layout.buckets)
+                                                       - len(host.resident)]):
+            if bucket.group == g:
+                yield bucket_fp32(host, b, kind)
+    for stage in _resident(host, g):
+        yield getattr(stage, kind).cpu()
 
 
 def group_moments(host: HostBuffers, g: int) -> Moments:

@@ -86,7 +86,9 @@ class EngineState:
                 local(t).copy_(values[name])
 
     # -- this rank's shard --------------------------------------------------------------------
-    def shard(self) -> dict:
+    def shard(self, *, to_write: bool = False) -> dict:
+        """This rank's shard; ``to_write``: with a device part, its group tensors as stand-ins
+        made a bucket at a time as they are written (else each joined in memory)."""
         counters = self.stepper.state_dict()
         tp = {"tensor_parallel": self.tp_describe()} if self.tp is not None else {}
         return {
@@ -94,15 +96,21 @@ class EngineState:
             **tp,
             "precision": self.precision, "layout": self.layout.describe(),
             "moment_dtype": shard_view.saved_moment_dtype(self.host),
-            "groups": [
-                {"step": counters["steps"][g], "master": shard_view.group_master(self.host, g),
-                 **formats.moments_fields(shard_view.group_moments(self.host, g))}
-                for g in range(len(self.group_sizes))
-            ],
+            "groups": [{"step": counters["steps"][g],
+                        **self._group(g, to_write and bool(self.host.resident))}
+                       for g in range(len(self.group_sizes))],
             "param_steps": counters["param_steps"],
             "param_groups": [formats.group_hparams(g) for g in self.param_groups],
             "scaler": counters["scaler"],
         }
+
+    def _group(self, g: int, later: bool) -> dict:
+        if not later:
+            return {"master": shard_view.group_master(self.host, g),
+                    **formats.moments_fields(shard_view.group_moments(self.host, g))}
+        n = self.layout.group_shard_numel[g]
+        return {kind: stream.Later((n,), torch.float32, lambda kind=kind: shard_view.group_pieces(
+            self.host, g, kind)) for kind in ("master", *rule.STATE_NAMES)}
 
     def load_shard(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
@@ -249,7 +257,7 @@ class EngineState:
         path = files.check_name(path)
         if not blocking:
             if sharded:
-                shard = {**self.shard(), "module_extra": self.weights.untrained()}
+                shard = {**self.shard(to_write=True), "module_extra": self.weights.untrained()}
                 started = pending.start_dir(self, path, shard, extra or {})
             else:
                 started = pending.start_file(
@@ -273,7 +281,7 @@ class EngineState:
                 f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
         tmp = files.temp_path(path, "tmp", token)
         try:
-            shard = {**self.shard(), "module_extra": self.weights.untrained()}
+            shard = {**self.shard(to_write=True), "module_extra": self.weights.untrained()}
             self.agree(agreement.capture(lambda: files.atomic_save(
                 shard, tmp / files.shard_name(rank, world))))
             self.agree(agreement.capture(lambda: self._publish(tmp, path, token, world,

@@ -34,7 +34,8 @@ _SEQ = itertools.count()
 
 class Later:
     """A tensor of ``shape`` and ``dtype`` that ``make()`` returns when it is written (a
-    collective where the engine gathers it: every rank makes the same ones, in one order)."""
+    collective where the engine gathers it: every rank makes the same ones, in one order), or
+    an iterable of flat pieces that are its elements back to back, made one at a time."""
 
     later_of = True  # what ``crc.walk`` and the pickler recognise
 
@@ -71,14 +72,28 @@ def laters(obj: Any) -> list[Later]:
     return sorted(found.values(), key=lambda x: x.seq)
 
 
+def made(x: Tensor | Later) -> Tensor:
+    """``x``, or what the stand-in ``x`` makes (its pieces joined)."""
+    if not isinstance(x, Later):
+        return x
+    out = x.make()
+    return out if isinstance(out, Tensor) else torch.cat(list(out)).view(x.shape)
+
+
+def _fresh(x: Later) -> Tensor:
+    """What ``x`` makes, in memory of its own (pieces are joined into new memory already)."""
+    out = x.make()
+    return out.clone() if isinstance(out, Tensor) else torch.cat(list(out)).view(x.shape)
+
+
 def materialize(obj: Any) -> Any:
     """``obj`` with every :class:`Later` made (in order: collective where they gather) and
     cloned: what ``full_state_dict`` returns, at the cost of the copy this module avoids."""
-    made = {id(x): x.make().clone() for x in laters(obj)}
+    made_ = {id(x): _fresh(x) for x in laters(obj)}
 
     def sub(o: Any) -> Any:
         if isinstance(o, Later):
-            return made[id(o)]
+            return made_[id(o)]
         if isinstance(o, Mapping):
             return {k: sub(v) for k, v in o.items()}
         if isinstance(o, (list, tuple)):
@@ -127,16 +142,14 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def made(x: Tensor | Later) -> Tensor:
-    """``x``, or what the stand-in ``x`` makes."""
-    return x.make() if isinstance(x, Later) else x
-
-
 def make_all(obj: Any) -> None:
     """What a rank that does not write does: make every stand-in of ``obj`` in order (its part
     of the gathers) and drop it."""
     for later in laters(obj):
-        later.make()
+        out = later.make()
+        if not isinstance(out, Tensor):
+            for _ in out:
+                pass
 
 
 def write(obj: Mapping, path: Path) -> None:
@@ -156,16 +169,11 @@ def write(obj: Mapping, path: Path) -> None:
         # torch's own zip CRC would read every byte once more: ours is the file's check
         zf = torch._C.PyTorchFileWriter(f, False, 64)
         for i, x in enumerate(items):
-            data = _made(x)
-            job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data)) if data.numel() else None
             try:
-                zf.write_record(f"data/{keys[id(x)]}", _storage(data),  # type: ignore[arg-type]
-                                data.nbytes)
-            except BaseException:
+                crcs[id(x)] = _record(zf, f, f"data/{keys[id(x)]}", x, pool)
+            except OSError:
                 make_all(items[i + 1 :])
                 raise
-            crcs[id(x)] = job.result() if job is not None else 0
-            del data, job
         checksum = crc.format_crc(crc.walk(content, 0, lambda t: crcs[id(t)]))
         pickled = _pickle({**content, crc.CHECKSUM_KEY: checksum}, keys, places)
         zf.write_record("data.pkl", pickled, len(pickled))
@@ -177,10 +185,41 @@ def write(obj: Mapping, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _made(x: Tensor | Later) -> Tensor:
-    data = (x.make() if isinstance(x, Later) else x).detach().cpu().contiguous()
-    if tuple(data.shape) != tuple(x.shape) or data.dtype != x.dtype:
-        raise RuntimeError(f"checkpoint: {x!r} was made as {tuple(data.shape)} {data.dtype}")
+def _record(zf: Any, f: Any, name: str, x: Tensor | Later, pool: ThreadPoolExecutor) -> int:
+    """Write ``x`` as record ``name``; its bytes' CRC-32 (taken on ``pool`` meanwhile)."""
+    out = x.make() if isinstance(x, Later) else x
+    if isinstance(out, Tensor):
+        data = _host(out, x)
+        if tuple(data.shape) != tuple(x.shape):
+            raise RuntimeError(f"checkpoint: {x!r} was made as {tuple(data.shape)}")
+        job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data)) if data.numel() else None
+        zf.write_record(name, _storage(data), data.nbytes)  # type: ignore[arg-type]
+        return job.result() if job is not None else 0
+    # pieces: the record's room first, then each piece written into it as it is made
+    nbytes = x.numel() * x.element_size()
+    zf.write_record_metadata(name, nbytes)
+    end = f.tell()
+    f.seek(end - _DESCRIPTOR - nbytes)
+    total, value = 0, 0
+    for piece in out:
+        data = _host(piece, x)
+        job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data))
+        f.write(crc.tensor_bytes(data))
+        value = crc.crc32_combine(value, job.result(), data.nbytes)
+        total += data.nbytes
+    f.seek(end)
+    if total != nbytes:
+        raise RuntimeError(f"checkpoint: {x!r} was made of {total} bytes, not {nbytes}")
+    return value
+
+
+_DESCRIPTOR = 16  # the zip data descriptor the writer puts after a record's data
+
+
+def _host(t: Tensor, x: Tensor | Later) -> Tensor:
+    data = t.detach().cpu().contiguous()
+    if data.dtype != x.dtype:
+        raise RuntimeError(f"checkpoint: {x!r} was made as {data.dtype}")
     return data
 
 
