@@ -103,12 +103,13 @@ def walk(obj: Any, crc: int, data_crc: Callable[[Any], int]) -> int:
     return zlib.crc32(f"O{type(obj).__qualname__}".encode(), crc)
 
 
-def tensors(obj: Any) -> list[Tensor]:
-    """Every tensor in ``obj``, once each, in walk order."""
-    found: dict[int, Tensor] = {}
+def find(obj: Any, kind: type | tuple[type, ...]) -> list:
+    """Every object of ``kind`` in ``obj`` (nested dicts, lists, tuples), once each, in walk
+    order."""
+    found: dict[int, Any] = {}
 
     def visit(o: Any) -> None:
-        if isinstance(o, Tensor):
+        if isinstance(o, kind):
             found.setdefault(id(o), o)
         elif isinstance(o, Mapping):
             for key in o:
@@ -120,6 +121,11 @@ def tensors(obj: Any) -> list[Tensor]:
 
     visit(obj)
     return list(found.values())
+
+
+def tensors(obj: Any) -> list[Tensor]:
+    """Every tensor in ``obj``, once each, in walk order."""
+    return find(obj, Tensor)
 
 
 def format_crc(crc: int) -> str:

@@ -161,18 +161,7 @@ def _room(state: EngineState, needed: int, path: Path) -> bool:
 
 def _copied(obj: Any) -> Any:
     """``obj`` with its stand-ins made and every tensor cloned: the snapshot a thread writes."""
-    made = stream.materialize(obj)
-
-    def clone(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return o.detach().clone()
-        if isinstance(o, dict):
-            return {k: clone(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return type(o)(clone(v) for v in o)
-        return o
-
-    return clone(made)
+    return stream.materialize(obj, clone_tensors=True)
 
 
 def start_file(state: EngineState, obj: dict, path: Path) -> PendingSave | None:

@@ -18,7 +18,7 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ class Later:
     later_of = True  # what ``crc.walk`` and the pickler recognise
 
     def __init__(self, shape: Sequence[int], dtype: torch.dtype,
-                 make: Callable[[], Tensor]) -> None:
+                 make: Callable[[], Tensor | Iterable[Tensor]]) -> None:
         self.shape, self.dtype, self.make = torch.Size(shape), dtype, make
         self.seq = next(_SEQ)  # stand-ins are made in the order they were created
 
@@ -56,20 +56,7 @@ class Later:
 
 def laters(obj: Any) -> list[Later]:
     """Every :class:`Later` in ``obj``, once each, in the order they are to be made."""
-    found: dict[int, Later] = {}
-
-    def visit(o: Any) -> None:
-        if isinstance(o, Later):
-            found.setdefault(id(o), o)
-        elif isinstance(o, Mapping):
-            for value in o.values():
-                visit(value)
-        elif isinstance(o, (list, tuple)):
-            for item in o:
-                visit(item)
-
-    visit(obj)
-    return sorted(found.values(), key=lambda x: x.seq)
+    return sorted(crc.find(obj, Later), key=lambda x: x.seq)
 
 
 def made(x: Tensor | Later) -> Tensor:
@@ -86,14 +73,17 @@ def _fresh(x: Later) -> Tensor:
     return out.clone() if isinstance(out, Tensor) else torch.cat(list(out)).view(x.shape)
 
 
-def materialize(obj: Any) -> Any:
+def materialize(obj: Any, *, clone_tensors: bool = False) -> Any:
     """``obj`` with every :class:`Later` made (in order: collective where they gather) and
-    cloned: what ``full_state_dict`` returns, at the cost of the copy this module avoids."""
+    cloned: what ``full_state_dict`` returns, at the cost of the copy this module avoids;
+    ``clone_tensors``: its tensors cloned too (a snapshot of ``obj``)."""
     made_ = {id(x): _fresh(x) for x in laters(obj)}
 
     def sub(o: Any) -> Any:
         if isinstance(o, Later):
             return made_[id(o)]
+        if isinstance(o, Tensor):
+            return o.detach().clone() if clone_tensors else o
         if isinstance(o, Mapping):
             return {k: sub(v) for k, v in o.items()}
         if isinstance(o, (list, tuple)):
