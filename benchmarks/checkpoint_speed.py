@@ -8,11 +8,14 @@ times, medians reported with ratios:
   ``fsync``: the disk's ceiling for these bytes;
 - ``torch.save``: of ``engine.full_state_dict()`` (what the consolidated save did before: the
   state copied, then pickled) with ``fsync``;
+- ``DCP``: ``torch.distributed.checkpoint.save`` of ``engine.full_state_dict()`` (one process);
 - ``ours sharded`` / ``ours consolidated``: ``engine.save_checkpoint(sharded=True/False)``;
+- ``ours asynchronous (stall)``: what ``save_checkpoint(sharded=True, blocking=False)`` costs the
+  caller (the copy into host memory), the thread's write waited for outside the timing;
 - loads: ``torch.load`` of our consolidated file (whole, not mapped) against
   ``engine.load_checkpoint`` of the consolidated file and of the sharded folder.
 
-Not measured here: DCP's save and the asynchronous save (not built yet). The page cache is not
+The page cache is not
 dropped between repeats (that needs root and a quiet machine): reads are from memory after the
 first, so the loads compare the CPU work of each way.
 
@@ -73,6 +76,12 @@ def _raw_write(data: list[torch.Tensor], path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _dcp(state: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=1e8)
@@ -84,7 +93,7 @@ def main() -> None:
     data = [*host.master, *host.exp_avg, *host.exp_avg_sq]
     nbytes = sum(t.nbytes for t in data)
     root = Path(tempfile.mkdtemp(dir=args.dir))
-    paths = {k: root / k for k in ("raw", "torch.pt", "sharded", "full.pt")}
+    paths = {k: root / k for k in ("raw", "torch.pt", "dcp", "sharded", "full.pt")}
 
     def clean() -> None:
         for p in paths.values():
@@ -95,11 +104,23 @@ def main() -> None:
         "torch.save(full_state_dict())": _timed(
             lambda: _fsynced_save(engine.full_state_dict(), paths["torch.pt"]), args.repeats,
             clean),
+        "DCP save": _timed(lambda: _dcp(engine.full_state_dict(), paths["dcp"]), args.repeats,
+                           clean),
         "ours sharded": _timed(lambda: engine.save_checkpoint(paths["sharded"]), args.repeats,
                                clean),
         "ours consolidated": _timed(
             lambda: engine.save_checkpoint(paths["full.pt"], sharded=False), args.repeats, clean),
     }
+    stalls = []
+    for _ in range(args.repeats):
+        clean()
+        start = time.perf_counter()
+        handle = engine.save_checkpoint(paths["sharded"], blocking=False)
+        stalls.append(time.perf_counter() - start)
+        assert handle is not None, "no room for the asynchronous save's copy"
+        handle.wait()
+    rows["ours asynchronous (stall)"] = statistics.median(stalls)
+    clean()
     engine.save_checkpoint(paths["sharded"])
     engine.save_checkpoint(paths["full.pt"], sharded=False)
     loads = {
@@ -117,6 +138,8 @@ def main() -> None:
     print("| way | seconds | GB/s | x raw write |\n|---|---|---|---|")
     for name, t in rows.items():
         print(f"| {name} | {t:.2f} | {nbytes / t / 1e9:.2f} | {t / raw:.2f} |")
+    print(f"\nasynchronous stall / blocking sharded save: "
+          f"{rows['ours asynchronous (stall)'] / rows['ours sharded']:.2f}")
     print("\n| load | seconds | x torch.load |\n|---|---|---|")
     for name, t in loads.items():
         print(f"| {name} | {t:.2f} | {t / base:.2f} |")

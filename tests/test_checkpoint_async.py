@@ -26,6 +26,8 @@ from _tiny_gpt import batches
 from lightning_zero_offload.core import CheckpointError
 from lightning_zero_offload.core.checkpoint import files, pending
 
+pytestmark = pytest.mark.usefixtures("isolated_process_group")  # Lightning fits in this process
+
 
 def _held_writes(monkeypatch) -> threading.Event:
     """The writer thread waits for the returned event before it writes (so training provably
