@@ -92,10 +92,14 @@ def test_the_next_step_publishes_and_a_second_save_waits(tmp_path, monkeypatch):
         time.sleep(0.01)
     train_buffer_net(engine, 1)  # the step settles it
     assert (tmp_path / "a").is_dir() and engine._state.saves.save is None
+    staging = [t.data_ptr() for t in engine._state.saves.staging]
     second = engine.save_checkpoint(tmp_path / "b", blocking=False)
+    assert [t.data_ptr() for t in engine._state.saves.staging] == staging  # "a"'s memory reused
     engine.save_checkpoint(tmp_path / "c")  # waits for "b" first
     assert second is not None and second.done() and (tmp_path / "b").is_dir()
+    assert equal_nested(_content(tmp_path / "b"), _content(tmp_path / "c"))  # same step
     engine.teardown()
+    assert engine._state.saves.staging == []  # the snapshot's memory goes with the engine
 
 
 def test_a_failed_write_raises_at_wait_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -343,7 +343,7 @@ class ZeroOffload:
             collectives.report_failure(error)
             copy_weights_to_module &= self.world_size == 1
         try:  # a save in flight ends first (a failed run drops it, no collective)
-            (self._state.saves.settle if error is None else self._state.saves.abandon)()
+            (self._state.saves.close if error is None else self._state.saves.abandon)()
             self.gather_weights() if copy_weights_to_module else self.synchronize()
         except Exception as e:
             broken = e

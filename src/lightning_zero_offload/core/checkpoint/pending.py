@@ -108,6 +108,11 @@ class InFlight:
 
     def __init__(self) -> None:
         self.save: PendingSave | None = None
+        self.staging: list[torch.Tensor] = []  # the last snapshot's memory, for the next one
+
+    @property
+    def held(self) -> int:
+        return sum(t.nbytes for t in self.staging)
 
     def hold(self, save: PendingSave) -> PendingSave:
         self.save = save
@@ -127,10 +132,17 @@ class InFlight:
                 self.save = save
 
     def abandon(self) -> None:
-        """Local (a failed run): a save in flight is dropped unpublished once written."""
+        """Local (a failed run): a save in flight is dropped unpublished once written; the
+        snapshot's memory goes."""
         if self.save is not None:
             save, self.save = self.save, None
             save.abandon()
+        self.staging = []
+
+    def close(self) -> None:
+        """Collective (``teardown``): the save in flight ends; the snapshot's memory goes."""
+        self.settle()
+        self.staging = []
 
 
 def _reduce(state: EngineState, value: float, op: Any) -> float:
@@ -159,9 +171,10 @@ def _room(state: EngineState, needed: int, path: Path) -> bool:
     return short == 0
 
 
-def _copied(obj: Any) -> Any:
-    """``obj`` with its stand-ins made and every tensor cloned: the snapshot a thread writes."""
-    return stream.materialize(obj, clone_tensors=True)
+def _copied(state: EngineState, obj: Any) -> Any:
+    """``obj`` with its stand-ins made and every tensor copied: the snapshot a thread writes,
+    into the previous snapshot's memory where it fits (kept for the next save)."""
+    return stream.materialize(obj, clone_tensors=True, into=state.saves.staging)
 
 
 def start_file(state: EngineState, obj: dict, path: Path) -> PendingSave | None:
@@ -169,12 +182,12 @@ def start_file(state: EngineState, obj: dict, path: Path) -> PendingSave | None:
     the copy does not fit (then the caller saves blocking)."""
     on_zero = state.files_rank[0] == 0
     state.agree(agreement.capture(lambda: files.check_file_target(path)) if on_zero else None)
-    if not _room(state, _nbytes(obj) if on_zero else 0, path):
+    if not _room(state, _nbytes(obj) - state.saves.held if on_zero else 0, path):
         return None
     if not on_zero:
         stream.make_all(obj)  # this rank's part of the gathers, nothing kept
         return PendingSave(state, path, lambda: None, lambda: None, lambda: None)
-    snapshot, temp = _copied(obj), []
+    snapshot, temp = _copied(state, obj), []
     write = lambda: temp.append(files.write_temp(snapshot, path))  # noqa: E731
     return PendingSave(state, path, write, lambda: files.publish_file(temp[0], path),
                        lambda: [files.discard(t) for t in temp])
@@ -184,7 +197,7 @@ def start_dir(state: EngineState, path: Path, shard: dict,
               extra: dict[str, dict]) -> PendingSave | None:
     """Collective. A sharded folder: every rank writes its shard, rank 0 also ``extra``."""
     rank, world, group = state.files_rank
-    if not _room(state, _nbytes(shard), path):
+    if not _room(state, _nbytes(shard) - state.saves.held, path):
         return None
     on_zero = rank == 0
     token, error = files.begin_dir(path) if on_zero else ("", None)
@@ -193,8 +206,8 @@ def start_dir(state: EngineState, path: Path, shard: dict,
         raise error or CheckpointError(
             f"rank 0 could not start the checkpoint at {str(path)!r} (see its error)")
     tmp = files.temp_path(path, "tmp", token)
-    snapshot = _copied(shard)
-    extras = _copied(extra) if on_zero else {}
+    snapshot = _copied(state, shard)
+    extras = stream.materialize(extra, clone_tensors=True) if on_zero else {}
 
     def write() -> None:
         files.atomic_save(snapshot, tmp / files.shard_name(rank, world))

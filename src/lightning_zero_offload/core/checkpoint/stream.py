@@ -67,30 +67,49 @@ def made(x: Tensor | Later) -> Tensor:
     return out if isinstance(out, Tensor) else torch.cat(list(out)).view(x.shape)
 
 
-def _fresh(x: Later) -> Tensor:
-    """What ``x`` makes, in memory of its own (pieces are joined into new memory already)."""
-    out = x.make()
-    return out.clone() if isinstance(out, Tensor) else torch.cat(list(out)).view(x.shape)
+def materialize(obj: Any, *, clone_tensors: bool = False,
+                into: list[Tensor] | None = None) -> Any:
+    """``obj`` with every :class:`Later` made (in order: collective where they gather) into
+    memory of its own: what ``full_state_dict`` returns, at the cost of the copy this module
+    avoids. ``clone_tensors``: its tensors cloned too (a snapshot of ``obj``); ``into``: the
+    buffers of an earlier snapshot, reused where shape and dtype match (no page faults: a copy
+    into them runs at the memory's speed), then replaced by this snapshot's."""
+    reuse, used = list(into or []), []
 
+    def own(shape: torch.Size, dtype: torch.dtype, pieces: Iterable[Tensor]) -> Tensor:
+        i, buf = len(used), None
+        if i < len(reuse) and reuse[i].shape == shape and reuse[i].dtype == dtype:
+            buf = reuse[i]
+        if buf is None:
+            buf = torch.empty(shape, dtype=dtype)
+        flat, at = buf.view(-1), 0
+        for piece in pieces:
+            flat[at : at + piece.numel()].copy_(piece.reshape(-1))
+            at += piece.numel()
+        used.append(buf)
+        return buf
 
-def materialize(obj: Any, *, clone_tensors: bool = False) -> Any:
-    """``obj`` with every :class:`Later` made (in order: collective where they gather) and
-    cloned: what ``full_state_dict`` returns, at the cost of the copy this module avoids;
-    ``clone_tensors``: its tensors cloned too (a snapshot of ``obj``)."""
-    made_ = {id(x): _fresh(x) for x in laters(obj)}
+    def pieces(x: Later) -> Iterable[Tensor]:
+        out = x.make()
+        return [out] if isinstance(out, Tensor) else out
+
+    made_ = {id(x): own(x.shape, x.dtype, pieces(x)) for x in laters(obj)}
 
     def sub(o: Any) -> Any:
         if isinstance(o, Later):
             return made_[id(o)]
         if isinstance(o, Tensor):
-            return o.detach().clone() if clone_tensors else o
+            return own(o.shape, o.dtype, [o.detach()]) if clone_tensors else o
         if isinstance(o, Mapping):
             return {k: sub(v) for k, v in o.items()}
         if isinstance(o, (list, tuple)):
             return type(o)(sub(v) for v in o)
         return o
 
-    return sub(obj)
+    out = sub(obj)
+    if into is not None:
+        into[:] = used
+    return out
 
 
 class _StorageRef:
