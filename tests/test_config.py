@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from lightning_zero_offload import ZeroOffloadConfig
 
@@ -49,3 +50,14 @@ def test_config_accepts_good_values_unchanged():
                                collective_timeout_s=30)
     assert (config.bucket_size_mb, config.max_grad_norm, config.collective_timeout_s) == (1, 1, 30)
     assert ZeroOffloadConfig().collective_timeout_s == 300.0
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, float("nan"), "0.5", "half"])
+def test_a_config_field_changed_after_construction_is_checked_when_the_engine_is_built(bad):
+    from lightning_zero_offload import ZeroOffload
+
+    model = torch.nn.Linear(4, 4)
+    cfg = ZeroOffloadConfig(precision="32-true")
+    cfg.offload_fraction = bad  # a dataclass field: nothing checks it at assignment
+    with pytest.raises(ValueError, match=r"offload_fraction must be a number in \[0, 1\]"):
+        ZeroOffload(model, torch.optim.AdamW(model.parameters()), cfg)

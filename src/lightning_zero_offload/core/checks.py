@@ -22,8 +22,8 @@ def engine_config(config: ZeroOffloadConfig | None, overrides: dict) -> ZeroOffl
     config = config if config is not None else ZeroOffloadConfig()
     if not isinstance(config, ZeroOffloadConfig):
         raise TypeError(f"ZeroOffload: config must be a ZeroOffloadConfig, got {type(config)}")
-    config = config.replace(**overrides) if overrides else config
-    return config.resolve_precision()
+    # a copy, validated again: a field changed after construction is checked here too
+    return config.replace(**overrides).resolve_precision()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
