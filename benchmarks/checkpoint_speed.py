@@ -52,14 +52,18 @@ def _engine(params: float, width: int = 4096) -> ZeroOffload:
     return engine
 
 
-def _timed(fn: Callable[[], object], repeats: int, cleanup: Callable[[], object]) -> float:
-    times = []
+def _interleaved(ways: dict[str, Callable[[], object]], repeats: int,
+                 cleanup: Callable[[], object]) -> dict[str, float]:
+    """Median seconds of each way, the ways taking turns round by round (the disk's drift
+    over the run falls on all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        cleanup()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in ways.items():
+            cleanup()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _fsynced_save(obj: object, path: Path) -> None:
@@ -100,18 +104,15 @@ def main() -> None:
         for p in paths.values():
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
-    rows = {
-        "raw write + fsync": _timed(lambda: _raw_write(data, paths["raw"]), args.repeats, clean),
-        "torch.save(full_state_dict())": _timed(
-            lambda: _fsynced_save(engine.full_state_dict(), paths["torch.pt"]), args.repeats,
-            clean),
-        "DCP save": _timed(lambda: _dcp(engine.full_state_dict(), paths["dcp"]), args.repeats,
-                           clean),
-        "ours sharded": _timed(lambda: engine.save_checkpoint(paths["sharded"]), args.repeats,
-                               clean),
-        "ours consolidated": _timed(
-            lambda: engine.save_checkpoint(paths["full.pt"], sharded=False), args.repeats, clean),
+    ways = {
+        "raw write + fsync": lambda: _raw_write(data, paths["raw"]),
+        "torch.save(full_state_dict())": lambda: _fsynced_save(engine.full_state_dict(),
+                                                               paths["torch.pt"]),
+        "DCP save": lambda: _dcp(engine.full_state_dict(), paths["dcp"]),
+        "ours sharded": lambda: engine.save_checkpoint(paths["sharded"]),
+        "ours consolidated": lambda: engine.save_checkpoint(paths["full.pt"], sharded=False),
     }
+    rows = _interleaved(ways, args.repeats, clean)
     stalls = []
     for _ in range(args.repeats):
         clean()
@@ -125,14 +126,11 @@ def main() -> None:
     clean()
     engine.save_checkpoint(paths["sharded"])
     engine.save_checkpoint(paths["full.pt"], sharded=False)
-    loads = {
-        "torch.load (whole file)": _timed(
-            lambda: torch.load(paths["full.pt"], weights_only=True), args.repeats, lambda: None),
-        "ours load consolidated": _timed(
-            lambda: engine.load_checkpoint(paths["full.pt"]), args.repeats, lambda: None),
-        "ours load sharded": _timed(
-            lambda: engine.load_checkpoint(paths["sharded"]), args.repeats, lambda: None),
-    }
+    loads = _interleaved({
+        "torch.load (whole file)": lambda: torch.load(paths["full.pt"], weights_only=True),
+        "ours load consolidated": lambda: engine.load_checkpoint(paths["full.pt"]),
+        "ours load sharded": lambda: engine.load_checkpoint(paths["sharded"]),
+    }, args.repeats, lambda: None)
     shutil.rmtree(root, ignore_errors=True)
     raw, base = rows["raw write + fsync"], loads["torch.load (whole file)"]
     print(f"{args.params:.0e} parameters, {nbytes / 1e9:.2f} GB of state, medians of "

@@ -62,15 +62,24 @@ def tensor_bytes(t: Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
+def crc_started(data: memoryview, pool: ThreadPoolExecutor) -> Callable[[], int]:
+    """Start the CRC-32 of ``data`` on ``pool``'s threads, a chunk each; the returned call
+    waits for it."""
+    parts = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [data]
+    jobs = [pool.submit(zlib.crc32, part) for part in parts]
+
+    def result() -> int:
+        crc = 0
+        for part, job in zip(parts, jobs, strict=True):
+            crc = crc32_combine(crc, job.result(), len(part))
+        return crc
+
+    return result
+
+
 def bytes_crc(data: memoryview, pool: ThreadPoolExecutor | None = None) -> int:
     """CRC-32 of ``data``; with ``pool``, chunks on its threads, combined."""
-    if pool is None or len(data) <= _CHUNK:
-        return zlib.crc32(data)
-    parts = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)]
-    crc = 0
-    for part, c in zip(parts, pool.map(zlib.crc32, parts), strict=True):
-        crc = crc32_combine(crc, c, len(part))
-    return crc
+    return zlib.crc32(data) if pool is None else crc_started(data, pool)()
 
 
 def _host(t: Tensor) -> Tensor:

@@ -174,7 +174,7 @@ def write(obj: Mapping, path: Path) -> None:
     places = {id(x): "cpu" if isinstance(x, Later) else
               torch.serialization.location_tag(x.untyped_storage()) for x in items}
     crcs: dict[int, int] = {}
-    with open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+    with open(path, "wb") as f, ThreadPoolExecutor(_CRC_THREADS) as pool:
         # torch's own zip CRC would read every byte once more: ours is the file's check
         zf = torch._C.PyTorchFileWriter(f, False, 64)
         for i, x in enumerate(items):
@@ -201,9 +201,9 @@ def _record(zf: Any, f: Any, name: str, x: Tensor | Later, pool: ThreadPoolExecu
         data = _host(out, x)
         if tuple(data.shape) != tuple(x.shape):
             raise RuntimeError(f"checkpoint: {x!r} was made as {tuple(data.shape)}")
-        job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data)) if data.numel() else None
+        job = crc.crc_started(crc.tensor_bytes(data), pool) if data.numel() else None
         zf.write_record(name, _storage(data), data.nbytes)  # type: ignore[arg-type]
-        return job.result() if job is not None else 0
+        return job() if job is not None else 0
     # pieces: the record's room first, then each piece written into it as it is made
     nbytes = x.numel() * x.element_size()
     zf.write_record_metadata(name, nbytes)
@@ -212,9 +212,9 @@ def _record(zf: Any, f: Any, name: str, x: Tensor | Later, pool: ThreadPoolExecu
     total, value = 0, 0
     for piece in out:
         data = _host(piece, x)
-        job = pool.submit(crc.bytes_crc, crc.tensor_bytes(data))
+        job = crc.crc_started(crc.tensor_bytes(data), pool)
         f.write(crc.tensor_bytes(data))
-        value = crc.crc32_combine(value, job.result(), data.nbytes)
+        value = crc.crc32_combine(value, job(), data.nbytes)
         total += data.nbytes
     f.seek(end)
     if total != nbytes:
@@ -223,6 +223,7 @@ def _record(zf: Any, f: Any, name: str, x: Tensor | Later, pool: ThreadPoolExecu
 
 
 _DESCRIPTOR = 16  # the zip data descriptor the writer puts after a record's data
+_CRC_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # zlib.crc32 releases the GIL
 
 
 def _host(t: Tensor, x: Tensor | Later) -> Tensor:
