@@ -389,3 +389,39 @@ def test_ranks_agree_on_the_smallest_auto_move():
     tight = int(weights * 1.3)  # 0.8 of it is below the first step's peak: no room
     got = run_ranks(_auto_on_ranks, 2, [1 << 30, tight])
     assert got == [(0, 1.0), (0, 1.0)]
+
+
+def test_a_fixed_fraction_that_snaps_far_to_whole_buckets_is_said_once(caplog):
+    import re
+
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.resident")
+    engine = tiny_engine(precision="32-true", offload_fraction=0.5, bucket_size_mb=None)
+    assert abs(engine.offload_fraction - 0.5) > 0.05  # two buckets: a tiny one and the rest
+    said = [r.getMessage() for r in caplog.records if "runs at" in r.getMessage()]
+    assert len(said) == 1, said
+    m = re.fullmatch(r"ZeroOffload: offload_fraction=0.5 runs at (\d\.\d{4}): the device keeps "
+                     r"whole buckets \((\d) of 2\); smaller buckets \(bucket_size_mb\) split "
+                     r"the state closer to it", said[0])
+    assert m and m.group(1) == f"{engine.offload_fraction:.4f}", said
+    caplog.clear()
+    tiny_engine(precision="32-true", offload_fraction=1.0, bucket_size_mb=None)
+    assert not [r for r in caplog.records if "runs at" in r.getMessage()]
+
+
+@pytest.mark.usefixtures("isolated_process_group")  # a Lightning fit in this process
+def test_the_strategy_says_the_resolved_fraction_after_fit(tmp_path):
+    from lightning.pytorch import Trainer
+    from test_lightning_checkpoint_damage import Net, loader
+
+    from lightning_zero_offload import ZeroOffloadStrategy
+
+    strategy = ZeroOffloadStrategy(offload_fraction=0.5, bucket_size_mb=0.0005)
+    assert strategy.offload_fraction == 0.5  # before fit: as configured
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(Net(), loader())
+    engine = trainer.strategy.saving_engine
+    assert engine is not None and engine.torn_down
+    assert trainer.strategy.offload_fraction == engine.offload_fraction
+    assert 0.0 < engine.offload_fraction < 1.0

@@ -99,6 +99,12 @@ class DevicePart:
         """Collective with several ranks: the largest count of any rank (a short host's);
         returns the host budget at it."""
         self.count = self._reduce(self.count, dist.ReduceOp.MAX)
+        if self.fraction != "auto" and abs(self.resolved - float(self.fraction)) > 0.05 and (
+                self.rank == 0):
+            logger.warning(  # whole buckets only: a small model or large buckets snap far
+                "ZeroOffload: offload_fraction=%g runs at %.4f: the device keeps whole buckets "
+                "(%d of %d); smaller buckets (bucket_size_mb) split the state closer to it",
+                float(self.fraction), self.resolved, self.count, len(self.layout.buckets))
         return self._budget(self.count, self.accumulate)
 
     def stages(self) -> list[DeviceStage]:

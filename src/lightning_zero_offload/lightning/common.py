@@ -120,6 +120,13 @@ class EngineOwner:
         return timedelta(seconds=self.config.collective_timeout_s)
 
     @property
+    def offload_fraction(self) -> float | str:
+        """The share of the trained optimizer state on the host: the engine's, resolved (kept
+        after ``fit``), else the configured value."""
+        engine = self.saving_engine
+        return engine.offload_fraction if engine is not None else self.config.offload_fraction
+
+    @property
     def saving_engine(self) -> ZeroOffload | None:
         """The engine whose state a checkpoint holds: the live one, or the one fit finished."""
         return self.engine if self.engine is not None else self.finished_engine
