@@ -210,25 +210,42 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or auto, got {text!r}"
+                                         ) from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] or auto, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size")
     parser.add_argument(
         "--precision",
         choices=["32-true", "bf16-mixed", "16-mixed"],
         default="bf16-mixed" if torch.cuda.is_available() else "32-true",
-        help="default: bf16-mixed on a GPU, 32-true on a CPU (most CPUs have no fast bf16)",
+        help="bf16-mixed on a GPU, 32-true on a CPU (most CPUs have no fast bf16)",
     )
-    parser.add_argument("--devices", type=_at_least(1), default=1)
-    parser.add_argument("--steps", type=_at_least(1), default=60)
-    parser.add_argument("--batch-size", type=_at_least(1), default=8)
-    parser.add_argument("--seq-len", type=_at_least(2), default=128)
+    parser.add_argument("--devices", type=_at_least(1), default=1, help="GPUs (or CPU processes)")
+    parser.add_argument("--steps", type=_at_least(1), default=60, help="optimizer steps")
+    parser.add_argument("--batch-size", type=_at_least(1), default=8, help="per device")
+    parser.add_argument("--seq-len", type=_at_least(2), default=128, help="tokens per sample")
     parser.add_argument("--accumulate", type=_at_least(1), default=1,
                         help="accumulate_grad_batches")
-    parser.add_argument("--lr", type=_positive_float, default=3e-3)
+    parser.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate")
     parser.add_argument("--delayed-update", action="store_true", help="delayed parameter update")
     parser.add_argument("--moment-dtype", choices=["fp32", "bf16", "int8"], default="fp32",
                         help="how the host keeps the Adam moments (fp32: exact AdamW)")
+    parser.add_argument("--offload-fraction", type=_fraction, default="auto",
+                        help="share of the optimizer state on the host: a number in [0, 1] or "
+                             "auto (what the host cannot hold stays on the device)")
     parser.add_argument("--no-zero-offload", action="store_true",
                         help="plain Lightning without the engine (a peer for the benchmarks)")
     parser.add_argument("--optimizer", choices=["adamw", "torchao-adamw8bit"], default="adamw",
@@ -241,6 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.no_zero_offload and args.optimizer != "adamw":
         parser.error(f"argument --optimizer: {args.optimizer} runs without the engine (which "
                      "takes torch.optim.AdamW); add --no-zero-offload")
+    if args.no_zero_offload and args.offload_fraction != "auto":
+        parser.error("argument --offload-fraction: it places the engine's state; drop "
+                     "--no-zero-offload")
     if args.no_zero_offload and args.moment_dtype != "fp32":
         parser.error(f"argument --moment-dtype: {args.moment_dtype} moments need the engine; "
                      "drop --no-zero-offload")
@@ -261,7 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT(args.size, args.seq_len, args.lr, args.optimizer)
     params = sum(p.numel() for p in model.parameters())
     strategy = "auto" if args.no_zero_offload else ZeroOffloadStrategy(
-        delayed_update=args.delayed_update, moment_dtype=args.moment_dtype)
+        delayed_update=args.delayed_update, moment_dtype=args.moment_dtype,
+        offload_fraction=args.offload_fraction)
     losses = LossLog()
     throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices,
                             time_batches=bool(args.loss_csv))
@@ -285,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     peak_host = max(throughput.peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if trainer.is_global_zero:
         optimizer = type(trainer.optimizers[0]).__name__
-        engine = (f"{trainer.strategy.config.moment_dtype} moments" if not args.no_zero_offload
+        engine = (f"{trainer.strategy.config.moment_dtype} moments, offload fraction "
+                  f"{trainer.strategy.offload_fraction:.3f}" if not args.no_zero_offload
                   else f"no engine, {type(trainer.strategy).__name__}")
         print(
             f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "

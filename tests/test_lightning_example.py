@@ -86,3 +86,17 @@ def test_peer_runs_train_without_the_engine(tmp_path, optimizer, printed):
     rows = [r.split(",") for r in csv.read_text().splitlines()]
     assert rows[0] == ["step", "loss", "step_s"] and len(rows) == 4
     assert all(0 < float(loss) < 10 and float(t) > 0 for _, loss, t in rows[1:])
+
+
+def test_offload_fraction_flag_reaches_the_strategy_and_help_shows_defaults():
+    import re
+
+    proc = _run("--steps", "2", "--batch-size", "2", "--seq-len", "32", "--offload-fraction",
+                "0.5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = re.search(r"offload fraction (\d\.\d{3})", proc.stdout)
+    assert m and float(m.group(1)) < 1.0, proc.stdout  # a device part: not all on the host
+    shown = _run("--help")
+    assert "(default: auto)" in shown.stdout and "(default: 60)" in shown.stdout, shown.stdout
+    bad = _run("--offload-fraction", "1.5")
+    assert bad.returncode == 2 and "must be in [0, 1] or auto, got 1.5" in bad.stderr
