@@ -425,3 +425,18 @@ def test_the_strategy_says_the_resolved_fraction_after_fit(tmp_path):
     assert engine is not None and engine.torn_down
     assert trainer.strategy.offload_fraction == engine.offload_fraction
     assert 0.0 < engine.offload_fraction < 1.0
+
+
+def test_after_teardown_the_engine_holds_no_tensor_of_its_device_part():
+    import gc
+    import weakref
+
+    engine = tiny_engine(precision="32-true", offload_fraction=0.5)
+    train(engine, batches(2))
+    assert engine._host.resident  # a device part
+    refs = [weakref.ref(t) for stage in engine._host.resident for t in stage.tensors()]
+    engine.teardown()
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of {len(refs)} device-part tensors outlive teardown"
+    assert engine.torn_down  # the engine object itself lives on

@@ -150,9 +150,13 @@ class DeviceStage:
                 if t is not None]
 
     def free(self) -> None:
+        """Give the device memory back: nothing of it stays referenced (a gradient set, or an
+        engine kept alive, still points at this stage)."""
         for t in self.tensors():
             self.dev.free(t)
-        self._fp32 = None
+        empty = self.master.new_empty(0)
+        self.master = self.exp_avg = self.exp_avg_sq = self._grad = empty
+        self._fp32 = self._filled = None
 
     # -- the streamer's side -------------------------------------------------------------------
     def _add(self, shard: Tensor) -> None:
