@@ -61,3 +61,20 @@ def test_a_config_field_changed_after_construction_is_checked_when_the_engine_is
     cfg.offload_fraction = bad  # a dataclass field: nothing checks it at assignment
     with pytest.raises(ValueError, match=r"offload_fraction must be a number in \[0, 1\]"):
         ZeroOffload(model, torch.optim.AdamW(model.parameters()), cfg)
+
+
+def test_each_front_end_checks_its_options_where_they_are_given_and_names_itself(
+        monkeypatch, tmp_path):
+    from lightning_zero_offload.accelerate import ZeroOffloadPlugin
+    from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy
+    from lightning_zero_offload.transformers import ZeroOffloadTrainingArguments
+
+    with pytest.raises(ValueError, match=r"from the ZeroOffloadFabricStrategy arguments"):
+        ZeroOffloadFabricStrategy(offload_fraction=1.5)
+    monkeypatch.setenv("ZERO_OFFLOAD_OFFLOAD_FRACTION", "abc")
+    with pytest.raises(ValueError, match=r"got 'abc' .*ZERO_OFFLOAD_OFFLOAD_FRACTION"):
+        ZeroOffloadPlugin()  # not only at prepare()
+    monkeypatch.delenv("ZERO_OFFLOAD_OFFLOAD_FRACTION")
+    with pytest.raises(ValueError, match=r"ZeroOffloadTrainingArguments\(zero_offload_config"):
+        ZeroOffloadTrainingArguments(output_dir=str(tmp_path),
+                                     zero_offload_config={"offload_fraction": 1.5})

@@ -173,12 +173,13 @@ class ZeroOffloadPlugin:
         enabled: bool | None = None,
         **overrides: object,
     ) -> None:
-        # bad names or values raise here, where the options are given, not at prepare
+        # bad names or values raise here, where the options are given, not at prepare: the
+        # arguments, then the ZERO_OFFLOAD_* variables with them
         build_config(config, overrides, who="ZeroOffloadPlugin",
                      where="the ZeroOffloadPlugin arguments")
+        self._config, self._overrides = config, overrides
+        self._options()
         self.enabled = zero_offload_enabled() if enabled is None else bool(enabled)
-        self._config = config
-        self._overrides = overrides
         self.engine: ZeroOffload | None = None
         self.optimizer: ZeroOffloadAcceleratedOptimizer | None = None
 
@@ -187,6 +188,11 @@ class ZeroOffloadPlugin:
         """The engine's options: code, then environment, with precision from Accelerate
         (``source`` names the user's setting behind ``mixed_precision`` in errors)."""
         precision = mixed_precision_to_precision(mixed_precision)
+        return self._options().resolve_precision(
+            precision, source=source or f"Accelerator(mixed_precision={mixed_precision!r})")
+
+    def _options(self) -> ZeroOffloadConfig:
+        """The options from code and the environment, checked against each other."""
         env = config_overrides_from_env()
         if self._config is not None and env:
             raise ValueError(
@@ -203,10 +209,8 @@ class ZeroOffloadPlugin:
         where = ("the ZeroOffloadConfig passed in" if self._config is not None
                  else f"the environment: {', '.join(variables)}" if env
                  else "the ZeroOffloadPlugin arguments")
-        config = build_config(self._config, {**env, **self._overrides}, who="ZeroOffloadPlugin",
-                              where=where)
-        return config.resolve_precision(
-            precision, source=source or f"Accelerator(mixed_precision={mixed_precision!r})")
+        return build_config(self._config, {**env, **self._overrides}, who="ZeroOffloadPlugin",
+                            where=where)
 
     def prepare(
         self, accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer,

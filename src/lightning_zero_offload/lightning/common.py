@@ -30,8 +30,8 @@ from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 Scheduler = LRScheduler | ReduceLROnPlateau
 
 
-def strategy_config(config: ZeroOffloadConfig | None, overrides: dict[str, object]
-                    ) -> ZeroOffloadConfig:
+def strategy_config(config: ZeroOffloadConfig | None, overrides: dict[str, object],
+                    who: str = "ZeroOffloadStrategy") -> ZeroOffloadConfig:
     """The strategy's config: ``config`` (or defaults) with keyword shortcuts applied; a
     shortcut equal to the field's default leaves ``config``'s value (signature readers such as
     jsonargparse pass every parameter).
@@ -44,11 +44,10 @@ def strategy_config(config: ZeroOffloadConfig | None, overrides: dict[str, objec
                  if k not in defaults or v is not defaults[k] and v != defaults[k]}
     if "precision" in overrides:
         raise TypeError(
-            "ZeroOffloadStrategy(precision=...) is not an option: set the precision on the "
+            f"{who}(precision=...) is not an option: set the precision on the "
             "Trainer or Fabric, e.g. Trainer(strategy='zero_offload', precision='bf16-mixed')"
         )
-    return build_config(config, overrides, who="ZeroOffloadStrategy",
-                        where="the ZeroOffloadStrategy arguments")
+    return build_config(config, overrides, who=who, where=f"the {who} arguments")
 
 
 def norm_clipping_only(fix: str) -> ValueError:
@@ -106,10 +105,18 @@ class EngineOwner:
 
     def _init_engine_owner(self, config: ZeroOffloadConfig | None, sharded_checkpoint: bool,
                            overrides: dict[str, object], async_checkpoint: bool = False) -> None:
-        self.config = strategy_config(config, overrides)
+        self.config = strategy_config(config, overrides, who=self._front_end)
         self.sharded_checkpoint, self.async_checkpoint = sharded_checkpoint, async_checkpoint
         self.engine = None
         self.finished_engine: ZeroOffload | None = None  # torn down, its state kept for saving
+
+    @property
+    def _front_end(self) -> str:
+        """The name errors give this strategy (Lightning's or Fabric's)."""
+        from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
+
+        fabric = isinstance(self, FabricStrategy)
+        return "ZeroOffloadFabricStrategy" if fabric else "ZeroOffloadStrategy"
 
     def process_group_timeout(self, timeout: timedelta | None) -> timedelta:
         """The timeout of a process group the strategy starts: ``timeout``, else the engine's

@@ -25,6 +25,8 @@ import dataclasses
 import json
 from typing import Any
 
+from lightning_zero_offload.config_env import build_config
+
 __all__ = ["with_zero_offload"]  # and ZeroOffloadSFTConfig, built on first access (needs TRL)
 
 _HF_EXTRA = "pip install 'lightning-zero-offload[hf]'"
@@ -51,6 +53,9 @@ def _post_init(self: Any) -> None:
             self.zero_offload_config = json.loads(cfg)
         except json.JSONDecodeError as e:
             raise ValueError(f"zero_offload_config is not valid JSON: {e}") from None
+    if isinstance(self.zero_offload_config, dict):  # checked here, where it is given
+        build_config(None, self.zero_offload_config, who=type(self).__name__,
+                     where=f"{type(self).__name__}(zero_offload_config=...)")
     flag = self.zero_offload
     if flag is not None and not isinstance(flag, bool):
         raise TypeError(f"zero_offload must be True, False or None (follow the ZERO_OFFLOAD "
