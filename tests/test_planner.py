@@ -596,3 +596,17 @@ def test_the_plan_says_what_an_asynchronous_save_copies_and_whether_it_fits(mome
     assert tight.fits and tight.async_copy_fits == {"sharded": False, "consolidated": False}
     assert "it saves blocking" in str(tight) and "holds no copy" in str(tight)
     assert plan(n, **kw).async_copy_fits == {"sharded": None, "consolidated": None}
+
+
+def test_the_predicted_cpu_step_counts_the_host_part_only():
+    kw = dict(precision="bf16-mixed", device="cuda", device_memory="141GiB",
+              host_memory="128GiB", host_reserve=0)
+    whole = plan(13e9, offload_fraction=1.0, **kw)
+    half = plan(13e9, offload_fraction=0.5, **kw)
+    none = plan(13e9, offload_fraction=0.0, **kw)
+    rate = whole.kernel_params_per_second
+    assert whole.cpu_step_seconds == pytest.approx(-(-whole.trainable_params // 1) / rate)
+    assert half.cpu_step_seconds == pytest.approx(
+        whole.trainable_params * half.offload_fraction / half.kernel_params_per_second)
+    assert 0.4 < half.offload_fraction < 0.6 and none.cpu_step_seconds == 0.0
+    assert "the device part's step runs on the device" in str(half)

@@ -252,7 +252,9 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
                                                  delayed_update)
         rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
         result.cpu_threads, result.kernel_params_per_second = threads, rate
-        result.cpu_step_seconds = -(-(total - frozen) // world_size) / rate
+        # the host part only: the device part's buckets step on the device
+        result.cpu_step_seconds = (-(-(total - frozen) // world_size)
+                                   * result.offload_fraction / rate)
         result.notes.append("the CPU step prediction assumes this host trains the run, each "
                             f"rank with {threads} threads; a shared or busy machine measures "
                             "slower")

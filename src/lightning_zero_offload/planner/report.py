@@ -108,6 +108,9 @@ def render(p: Any) -> str:
     rate = p.kernel_params_per_second
     if p.cpu_step_seconds is not None and rate is not None:
         lines.append(f"predicted CPU step: {p.cpu_step_seconds:.3f} s per optimizer step "
-                     f"({rate / 1e9:.2f} G params/s measured here with {p.cpu_threads} threads)")
+                     f"({rate / 1e9:.2f} G params/s measured here with {p.cpu_threads} threads"
+                     + (")" if p.offload_fraction == 1.0 else
+                        f"; the host part, {p.offload_fraction:.1%} of the state: the device "
+                        "part's step runs on the device, not predicted here)"))
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
