@@ -350,12 +350,16 @@ class EngineState:
 
     def _anywhere(self, flag: bool) -> bool:
         """Collective: whether ``flag`` holds on any rank."""
+        return bool(self.max_over_ranks(float(flag), "agreement on a checkpoint's path"))
+
+    def max_over_ranks(self, value: float, what: str) -> float:
+        """Collective over the checkpoint's ranks: the largest ``value``."""
         _, world, group = self.files_rank
         if world == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self.coll())
-        collectives.all_reduce(t, dist.ReduceOp.MAX, group, "agreement on a checkpoint's path")
-        return bool(t.item())
+            return value
+        t = torch.tensor([value], device=self.coll())
+        collectives.all_reduce(t, dist.ReduceOp.MAX, group, what)
+        return float(t.item())
 
     def _read(self, path: Path, consolidate: bool = False) -> tuple[str, dict]:
         """``("shard", this rank's shard)``, ``("full", full state)`` or, under tensor

@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
-import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.checkpoint import agreement, files, stream
 from lightning_zero_offload.core.checkpoint.crc import tensors
 from lightning_zero_offload.core.checkpoint.formats import CheckpointError
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.checkpoint.engine_state import EngineState
+
+
+_WHAT = "agreement on an asynchronous save"
 
 
 class PendingSave:
@@ -66,7 +67,7 @@ class PendingSave:
         if not self._settled:
             ended = self.done()
             if self._state.files_rank[1] > 1:
-                ended = _reduce(self._state, float(not ended), dist.ReduceOp.MAX) == 0
+                ended = self._state.max_over_ranks(float(not ended), _WHAT) == 0
             if ended:
                 self._settle()
         return self._settled
@@ -145,15 +146,6 @@ class InFlight:
         self.staging = []
 
 
-def _reduce(state: EngineState, value: float, op: Any) -> float:
-    _, world, group = state.files_rank
-    if world == 1:
-        return value
-    t = torch.tensor([value], device=state.coll())
-    collectives.all_reduce(t, op, group, "agreement on an asynchronous save")
-    return float(t.item())
-
-
 def _nbytes(obj: Any) -> int:
     """Host bytes of ``obj``'s copy: its stand-ins made and its tensors cloned."""
     return sum(x.numel() * x.element_size() for x in [*stream.laters(obj), *tensors(obj)])
@@ -161,8 +153,8 @@ def _nbytes(obj: Any) -> int:
 
 def _room(state: EngineState, needed: int, path: Path) -> bool:
     """Collective: whether every rank has ``needed`` bytes for its copy; else one warning."""
-    short = _reduce(state, float(max(0, needed - psutil.virtual_memory().available)),
-                    dist.ReduceOp.MAX)
+    short = state.max_over_ranks(float(max(0, needed - psutil.virtual_memory().available)),
+                                 _WHAT)
     if short > 0 and state.files_rank[0] == 0:
         warnings.warn(
             f"not enough host memory for an asynchronous save of {str(path)!r}: its copy of the "

@@ -6,7 +6,7 @@ would hold the optimizer state twice; instead its tensors are :class:`Later` sta
 made just before it is written (a view of the engine's arrays where dtype and layout allow) and
 dropped after. The file is what ``torch.save`` writes (a zip of one 64-byte-aligned record per
 tensor, plus ``data.pkl``), so ``torch.load(weights_only=True, mmap=True)`` reads it. The
-checksum (``crc``'s) is taken on another thread while each record is written and combined in the
+checksum (``crc``'s) is taken on other threads while each record is written and combined in the
 walk's order, so every byte is read once. ``data.pkl`` goes last: it holds the checksum.
 """
 
