@@ -87,7 +87,7 @@ class ZeroOffload:
                                        budget_at(layout, module, trained, dtype, **kw,
                                                  cpu=self.device.type == "cpu"
                                                  and dev.memory() is None))
-        ranks.start(layout, module, self.process_group, self.device, self.tp, part.choose)
+        ranks.start(layout, module, self.process_group, self.device, self.tp, part.choose, config)
         self.host_budget = part.agree()  # bytes this rank; a lazy fp32 gradient adds its own
         resident = part.stages()  # on the device, then the master: the host's and theirs,
         master = fill_master(layout, self.rank, dtype, pinned, resident)

@@ -32,9 +32,10 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core import rule
+from lightning_zero_offload.core.device_budget import state_bytes
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
-from lightning_zero_offload.core.placement import device_bytes, host_numel
+from lightning_zero_offload.core.placement import host_numel
 from lightning_zero_offload.core.preflight import check_lazy_fp32
 from lightning_zero_offload.core.stage import DeviceStage, HostStage
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
@@ -167,7 +168,7 @@ def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained
                  untrained_bytes=untrained_bytes(module, trained, dtype),
                  buckets_in_flight=BUCKET_BUFFERS)  # on the CPU, host memory too
     if cpu and on_device:
-        out.parts["device_state"] = device_bytes(layout, on_device, dtype, accumulate is True)
+        out.parts["device_state"] = state_bytes(layout, on_device, dtype, accumulate is not False)
     return out
 
 

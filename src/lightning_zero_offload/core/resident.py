@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import collectives, placement, ranks
+from lightning_zero_offload.core import collectives, device_budget, placement, ranks
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device import SyncDevice
 from lightning_zero_offload.core.host import HostBuffers
@@ -43,8 +43,7 @@ class DevicePart:
         self.fraction, self.headroom = config.offload_fraction, config.device_memory_headroom
         self.accumulate, self._budget = config.accumulate, budget
         self._check_host = config.check_host_memory
-        self._weight_bytes = (torch.empty((), dtype=dtype).element_size()
-                              * (2 if config.delayed_update else 1))
+        self._delayed = config.delayed_update
         self.count = 0
         self._pending_move = self.fraction == "auto" and dev.memory() is not None
 
@@ -63,17 +62,19 @@ class DevicePart:
                               ranks.process_rank())
 
     def _choose(self) -> int:
-        free, accumulate = self.dev.free_memory(), self.accumulate is True
-        if free is not None:  # the device weights (two sets under delayed update) come first
-            free -= sum(self.layout.group_numel) * self._weight_bytes
+        # Whether the run can accumulate: an undeclared one may, so its fp32 sum is counted.
+        free, accumulate = self.dev.free_memory(), self.accumulate is not False
         available = psutil.virtual_memory().available
 
         def host_fits(n: int) -> bool:
             return sum(self._budget(n, self.accumulate).values()) <= available
         if self.fraction != "auto":
             n = placement.device_count(self.layout, float(self.fraction))
-            placement.check_device_part(self.layout, n, self.dtype, accumulate, free,
-                                        float(self.fraction), self.rank)
+            memory = self.dev.memory()
+            device_budget.check_fixed(
+                self.layout, n, self.dtype, delayed=self._delayed, accumulate=accumulate,
+                free=free, capacity=None if memory is None else memory[1],
+                headroom=self.headroom, fraction=float(self.fraction), rank=self.rank)
         elif free is None or host_fits(0):
             n = 0
         else:  # the fewest trailing buckets whose host part fits (host bytes fall with n)
@@ -85,13 +86,15 @@ class DevicePart:
                     mid = (lo + hi) // 2
                     lo, hi = (lo, mid) if host_fits(mid) else (mid, hi)
                 n = hi
-                need = placement.device_bytes(self.layout, n, self.dtype, accumulate)
+                need = sum(device_budget.engine_parts(
+                    self.layout, n, self.dtype, delayed=self._delayed,
+                    accumulate=accumulate).values())
                 if need > free:
                     raise MemoryError(
                         f"ZeroOffload: rank {self.rank}'s host cannot hold its optimizer state "
-                        f"and the part it cannot hold ({format_bytes(need)} on the device) does "
-                        f"not fit in the device's {format_bytes(free)} free either; use more "
-                        "ranks, "
+                        f"and the part it cannot hold does not fit on the device either (the "
+                        f"engine's device memory would be {format_bytes(need)}, "
+                        f"{format_bytes(free)} is free); use more ranks, "
                         "moment_dtype='int8' or a smaller model")
         return n
 
@@ -148,8 +151,8 @@ class DevicePart:
         room = (1.0 - self.headroom) * capacity - peak
         n_host, more = len(self.layout.buckets) - self.count, 0
         for b in range(n_host - 1, -1, -1):
-            need = placement.bucket_device_bytes(self.layout.buckets[b].shard, self.dtype,
-                                                 accumulating)
+            need = device_budget.bucket_bytes(self.layout.buckets[b].shard, self.dtype,
+                                              accumulating or self.accumulate is not False)
             if need > room:
                 break
             room -= need

@@ -4,9 +4,12 @@ Backward fills a bucket's buffer while the side streams reduce and copy earlier 
 is reused once the copy that last read it is done, and that wait is the compute stream's, not
 the host's (:meth:`SyncDevice.compute_waits_event`): backward never blocks on a transfer. Only
 when the copy is queued by a host task (an accumulating flush: the previous one leaves staging
-first) does reuse wait for that task to have queued it. :data:`BUCKET_BUFFERS` buffers of the
-largest bucket's size: the device memory the planner counts. A bucket whose gradients arrive
-while every buffer is being filled gets a buffer of its own (released on the copy's stream).
+first) does reuse wait for that task to have queued it. :data:`BUCKET_BUFFERS` slots, each a
+buffer of the largest bucket's size and, with several ranks, one of the largest shard's (the
+reduce-scatter's output, read by the copy): the device memory ``core.device_budget`` counts. A
+slot is reused once the copy is done, so no more shards than slots are ever alive. A bucket
+whose gradients arrive while every slot is being filled gets buffers of its own (released on the
+streams that read them).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 
 
 class BucketRing:
-    def __init__(self, dev: SyncDevice, numel: int, dtype: torch.dtype) -> None:
-        self.dev, self.numel, self.dtype = dev, numel, dtype
+    def __init__(self, dev: SyncDevice, numel: int, shard_numel: int, dtype: torch.dtype) -> None:
+        self.dev, self.numel, self.shard_numel, self.dtype = dev, numel, shard_numel, dtype
         self._bufs: list[Tensor | None] = [None] * BUCKET_BUFFERS
+        self._shards: list[Tensor | None] = [None] * BUCKET_BUFFERS
         self._last: list[Callable[[], Event] | None] = [None] * BUCKET_BUFFERS  # its last use
         self._filling: dict[int, int] = {}  # bucket -> the slot it fills
         self._next = 0
@@ -45,6 +49,14 @@ class BucketRing:
             buf = self._bufs[i] = self.dev.empty(self.numel, self.dtype)
         return buf[:numel]
 
+    def shard(self, b: int, numel: int) -> Tensor:
+        """The shard buffer of the slot bucket ``b`` fills (:meth:`owns` must be True)."""
+        i = self._filling[b]
+        buf = self._shards[i]
+        if buf is None:
+            buf = self._shards[i] = self.dev.empty(self.shard_numel, self.dtype)
+        return buf[:numel]
+
     def owns(self, b: int) -> bool:
         """Whether bucket ``b``'s buffer is a ring slot (else release it on its stream)."""
         return b in self._filling
@@ -61,5 +73,5 @@ class BucketRing:
         self._filling = {}
 
     def close(self) -> None:
-        self._bufs, self._last, self._filling = [None] * len(self._bufs), [None] * len(
-            self._bufs), {}
+        n = len(self._bufs)
+        self._bufs, self._shards, self._last, self._filling = [None] * n, [None] * n, [None] * n, {}

@@ -85,7 +85,9 @@ class GradStreamer:
         self._stream = dev.side_stream("d2h") if dev.asynchronous else None
         self._reduce = (dev.side_stream("reduce") if dev.asynchronous and self.world_size > 1
                         else self._stream)
-        self._ring = BucketRing(dev, max((bk.numel for bk in layout.buckets), default=0), dtype)
+        self._ring = BucketRing(dev, max((bk.numel for bk in layout.buckets), default=0),
+                                max((bk.shard for bk in layout.buckets), default=0)
+                                if self.world_size > 1 else 0, dtype)
         self._tasks: list = [None] * nb  # host task moving the previous flush to fp32
         self._sources: list[Tensor] | None = None
         self._handles = [
@@ -238,9 +240,12 @@ class GradStreamer:
         else:
             self._flush_sync(b, buf, first)
 
-    def _shard_of(self, b: int, buf: Tensor) -> Tensor:
-        return buf if self.world_size == 1 else self.dev.empty(self.layout.buckets[b].shard,
-                                                                buf.dtype)
+    def _shard_of(self, b: int, buf: Tensor, ring: bool = False) -> Tensor:
+        """Where bucket ``b``'s reduced shard goes: ``buf`` itself with one rank."""
+        shard = self.layout.buckets[b].shard
+        if self.world_size == 1:
+            return buf
+        return self._ring.shard(b, shard) if ring else self.dev.empty(shard, buf.dtype)
 
     def _flush_sync(self, b: int, buf: Tensor, first: bool) -> None:
         t0 = self.profile.now()
@@ -257,7 +262,7 @@ class GradStreamer:
     def _flush_async(self, b: int, buf: Tensor, first: bool) -> None:
         dev, stream, reducing, step = self.dev, self._stream, self._reduce, self.profile_step
         ring = self._ring.owns(b)
-        shard = self._shard_of(b, buf)
+        shard = self._shard_of(b, buf, ring)
         stat = torch.full((), float("nan"), device=dev.device)
         # After the allocations: backward wrote the bucket (and the allocator's previous users
         # of this memory ran) on the compute stream.
@@ -272,12 +277,13 @@ class GradStreamer:
         if shard is not buf:  # several ranks, on a stream of their own: the copy waits for it
             reduced = dev.record(reducing)  # the last read of the bucket
             dev.stream_waits(stream, reduced)
-            self._ring.flushed(b, lambda: reduced) if ring else dev.release(buf, reducing)
+            if not ring:
+                dev.release(buf, reducing)
         self.stats.append(stat)
         stage = self.host.grads.stages[b]
 
-        def release() -> None:
-            if shard is not buf or not ring:  # not a ring buffer
+        def release() -> None:  # a ring slot (bucket and shard) is free once the copy ends
+            if not ring:
                 dev.release(shard, stream)
 
         def copy_in() -> Event:

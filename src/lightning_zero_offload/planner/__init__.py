@@ -31,7 +31,9 @@ host, per rank
 device (CUDA)
     the weights ``h (P + F)`` (every rank holds all of them), a second copy ``h P`` with delayed
     update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
-    reduced and copied out: ``core.limits.MAX_IN_FLIGHT``) and, when ``batch_size``/
+    reduced and copied out: ``core.limits.MAX_IN_FLIGHT``) and with several ranks three
+    reduce-scatter outputs of ``bucket_size_mb / world_size`` (the engine's own count,
+    ``core.device_budget``) and, when ``batch_size``/
     ``seq_len`` and a model config are given, an activation estimate (batch ``b``, sequence
     ``s``, hidden size ``H``, ``a`` heads, ``L`` layers, vocabulary ``V``) for a decoder-only
     transformer without recomputation (Korthikanti et al. 2022, 16-bit:

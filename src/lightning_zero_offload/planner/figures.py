@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import rule
+from lightning_zero_offload.core import device_budget, rule
 from lightning_zero_offload.planner import inputs, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
@@ -117,13 +117,13 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
                   untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
     dev: dict[str, int] = {}
-    if not cpu:
-        dev["weights"] = h * (trained + frozen)
-        if delayed:
-            dev["delayed: spare weights"] = h * trained
-        dev[f"gradient buckets ({MAX_IN_FLIGHT + 1})"] = (MAX_IN_FLIGHT + 1) * min(
-            bucket_bytes, h * trained)
-        dev.update(split.device_state(sum(shards) - sum(hosted), h, accumulate))
+    if not cpu:  # the engine's own count, the model's frozen weights with its weights
+        dev = device_budget.parts(
+            trained=trained, max_bucket=max(buckets, default=0),
+            max_shard=max(shards, default=0), world_size=world_size,
+            resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate)
+        if frozen:
+            dev["weights"] = dev.get("weights", 0) + h * frozen
         if activations:
             dev["activations (estimate)"] = activations
     return dev, {k: v for k, v in host.items() if v}
@@ -320,6 +320,12 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         elif auto and not _evaluate({**st, "accumulate": True}, search=False).fits:
             notes.append("with --accumulate (an fp32 gradient per trained element) no offload "
                          "fraction fits both memories")
+    if not auto and k and device_fits and dev_bytes > dev_mem * (1 - st["headroom"]):
+        notes.append(  # as the engine warns at setup: the user chose it
+            f"--offload-fraction {st['offload_fraction']:g} leaves "
+            f"{format_bytes(dev_mem - dev_bytes)} of the device free, less than "
+            f"--device-memory-headroom {st['headroom']:g} of it (what \"auto\" keeps); the "
+            "engine warns at setup")
     own = shards(total - frozen)
     after = None
     if auto and fits and dev_mem is not None and device == "cuda":  # once the peak is known
@@ -354,7 +360,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         largest = lo
         if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
             largest, blocked = None, "activations"
-    optimizer = sum(dev.get(key, 0) for key in split.device_state(1, 1, False))
+    optimizer = sum(dev.get(key, 0) for key in device_budget.STATE_PARTS)
     copies = _async_copies(total - frozen, st["world_size"], st["moment_dtype"], k)
     room = None if usable is None else usable - host_bytes * ranks
     copy_fits = {kind: None if room is None else copy * (ranks if kind == "sharded" else 1)

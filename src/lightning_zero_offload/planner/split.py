@@ -4,11 +4,9 @@ optimizer state stays on the device, and what a device-resident element costs th
 The trained state per rank is its shard of every bucket, buckets in reduction order. The
 trailing buckets (whose gradients arrive last in backward: the model's first layers) stay on the
 device, whole, until the device holds at least ``1 - offload_fraction`` of the trained elements;
-the fraction reported is the host's elements over all of them. A device-resident element costs
-the device its fp32 master (4 B), fp32 ``exp_avg`` and ``exp_avg_sq`` (8 B; ``moment_dtype``
-is the host's only), a gradient in the compute dtype (``h`` B) and, when the run accumulates in
-a half dtype, an fp32 gradient (4 B); it costs the host nothing. The split and the bytes are
-the engine's own (``core.placement``). ``"auto"`` keeps on the device only what the
+the fraction reported is the host's elements over all of them. What a device-resident element
+costs the device is the engine's count (``core.device_budget``); it costs the host nothing. The
+split is the engine's own (``core.placement``). ``"auto"`` keeps on the device only what the
 host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
 within ``1 - device_memory_headroom`` of its memory (``most_on_device``).
 """
@@ -17,19 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_zero_offload.core.placement import count_for, element_bytes, host_share
+from lightning_zero_offload.core.placement import count_for, host_share
 
 AUTO = "auto"
 DEFAULT_HEADROOM = 0.2
-
-
-def device_state(numel: int, h: int, accumulate: bool) -> dict[str, int]:
-    """Device bytes of ``numel`` device-resident elements of this rank's shard (the engine's
-    ``core.placement.element_bytes``)."""
-    if not numel:
-        return {}
-    return {"optimizer state (device)": 12 * numel,
-            "gradients (device)": (element_bytes(h, accumulate) - 12) * numel}
 
 
 def host_fraction(shards: list[int], k: int) -> float:
