@@ -7,11 +7,13 @@ for the compute stream, through the race detector of ``testing.race_detector``),
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,7 +53,15 @@ class _EmuEvent(Event):
 
 
 class _EmuStream:
-    """A side stream: one thread running queued items in order, each after a random delay."""
+    """A side stream: one thread running queued items in order, each after a random delay.
+
+    Every stream still alive when the interpreter exits is stopped and joined first
+    (:func:`_stop_all`): a daemon thread that wakes during finalization (an item still queued
+    after a failed step, its delay running) is ended by the interpreter inside torch's
+    thread-local destructors, and the process aborts ("terminate called without an active
+    exception", status 134) instead of exiting with the script's own status."""
+
+    live: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, name: str, rng: random.Random, max_delay_s: float,
                  group: object | None, det: RaceDetector | None = None) -> None:
@@ -62,11 +72,13 @@ class _EmuStream:
         self.done = 0  # items finished
         self.times: dict[int, float] = {0: time.perf_counter()}
         self.error: BaseException | None = None
+        self.stopping = False  # exiting: what is still queued is dropped
         self._cv = threading.Condition()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"lzo-emulated-{name}",
                                         daemon=True)
         self._thread.start()
+        _EmuStream.live.add(self)
 
     def put(self, fn: Callable[[], object], internal: bool = False) -> int:
         """Queue ``fn``; returns its position (an event at it completes once it ran).
@@ -102,13 +114,20 @@ class _EmuStream:
     def _loop(self) -> None:
         if self.det is not None:
             races.install_mode()
+        try:
+            self._run()
+        finally:
+            races.uninstall_mode()
+
+    def _run(self) -> None:
         while True:
             fn, delay, ctx = self._q.get()
             if fn is None:
                 return
-            time.sleep(delay)
+            if not self.stopping:
+                time.sleep(delay)
             try:
-                if self.error is None:
+                if self.error is None and not self.stopping:
                     races.set_item(ctx)
                     fn()
             except BaseException as e:  # surfaced at the next wait on this stream
@@ -134,6 +153,17 @@ class _EmuStream:
     def close(self) -> None:
         self._q.put((None, 0.0, None))
         self._thread.join(timeout=30)
+
+    def stop(self) -> None:
+        """At exit: drop what is queued, end the thread."""
+        self.stopping = True
+        self.close()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for stream in list(_EmuStream.live):
+        stream.stop()
 
     @property
     def idle(self) -> bool:
@@ -161,9 +191,7 @@ class EmulatedDevice(SyncDevice):
             races.watch(self.detector)  # the calling thread's ops are the compute stream's
         self._streams: list[_EmuStream] = []
         self._compute_waits: list[Event] = []
-        self._tasks = ThreadPoolExecutor(
-            1, thread_name_prefix="lzo-emulated-host-task",
-            initializer=races.install_mode if race_detector else None)
+        self._tasks = ThreadPoolExecutor(1, thread_name_prefix="lzo-emulated-host-task")
         self._lock = threading.Lock()
         # Device memory: bucket buffers handed out by empty() and tensors from zeros(); with a
         # capacity (``memory_bytes``) a zeros() beyond it raises as CUDA's allocator does.
@@ -232,7 +260,7 @@ class EmulatedDevice(SyncDevice):
             self.detector.raise_pending()
 
     def host_task(self, fn: Callable[[], object]) -> Future:
-        return self._tasks.submit(fn)
+        return self._tasks.submit(races.recorded, fn) if self.detector else self._tasks.submit(fn)
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         with self._lock:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -269,6 +270,23 @@ def install_mode() -> None:
         mode = RecordAccesses(_detectors)
         mode.__enter__()
         _local.mode = mode
+
+
+def uninstall_mode() -> None:
+    """Take the calling thread's recording off before the thread ends: torch's thread-local
+    mode stack must hold no Python object when the thread's C++ destructors run, which may be
+    during the interpreter's exit (the process would abort)."""
+    mode = getattr(_local, "mode", None)
+    if mode is not None and _current_mode() is mode:
+        mode.__exit__(None, None, None)
+    _local.mode = None
+
+
+def recorded(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with this thread's ops recorded, the mode on only while it runs (a pool's
+    thread ends when the pool says, with nothing left to clean)."""
+    with RecordAccesses(_detectors):
+        return fn()
 
 
 def watch(detector: RaceDetector) -> None:
