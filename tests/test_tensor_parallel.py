@@ -286,6 +286,47 @@ def test_unsupported_option_is_refused_at_setup(refused, case):
     assert _REFUSED[case] in refused[case]
 
 
+def _uneven_rowwise(rank: int, world: int) -> dict[str, str]:
+    """A RowwiseParallel Linear of input size 5 at tensor-parallel size 2: refused at setup on
+    every rank (plain torch fails in the first forward); input size 6, and ColwiseParallel with
+    5 outputs (an uneven output shard), are accepted and train a step."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = _mesh(1, 2)
+    out = {}
+    for name, (n_in, n_out, style) in {"uneven_rowwise": (5, 8, RowwiseParallel()),
+                                       "even_rowwise": (6, 8, RowwiseParallel()),
+                                       "uneven_colwise": (8, 5, ColwiseParallel())}.items():
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("proj", nn.Linear(n_in, n_out))
+        parallelize_module(model, mesh["tensor_parallel"], {"proj": style})
+        try:
+            engine = ZeroOffload(model, torch.optim.AdamW(model.parameters()),
+                                 device_mesh=mesh, device="cpu", precision="32-true")
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        local_in = n_in // 2 if isinstance(style, RowwiseParallel) else n_in  # its own shard
+        engine.backward(model(torch.randn(3, local_in)).sum())
+        engine.step()
+        engine.teardown()
+        out[name] = "trained"
+    return out
+
+
+def test_an_uneven_rowwise_input_is_refused_at_setup():
+    for got in run_ranks(_uneven_rowwise, 2):
+        assert got["even_rowwise"] == "trained" and got["uneven_colwise"] == "trained", got
+        assert ("RowwiseParallel on 'proj': its input size 5 does not divide by the "
+                "tensor-parallel size 2" in got["uneven_rowwise"]), got
+        assert "divides by 2 (e.g. 6)" in got["uneven_rowwise"], got
+
+
 def _different_plans(rank: int, world: int) -> str:
     """Rank 1 shards wq row-wise where the others shard it column-wise."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

@@ -11,7 +11,8 @@ their local tensors view the engine's flat buffers (:func:`bind`).
 Supported: ``ColwiseParallel``/``RowwiseParallel`` plans (``Shard(0)``/``Shard(1)`` weights,
 ``Shard(0)`` or ``Replicate()`` biases) over the ``"tensor_parallel"`` dimension of a mesh
 ``("data_parallel", "tensor_parallel")``. Refused at setup, by name: sequence parallelism, loss
-parallelism (DTensor outputs), other shardings, meshes of more than two dimensions.
+parallelism (DTensor outputs), other shardings, meshes of more than two dimensions, and a
+``RowwiseParallel`` Linear whose input size does not divide by the tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def _check_plan(module: nn.Module, tp_mesh: Any) -> set[int]:
                 "is supported (not FSDP's fully_shard: ZeRO-Offload partitions the data-parallel "
                 "dimension itself)")
         place = p.placements[0]  # type: ignore[attr-defined]
+        _check_divides(name, p, place, tp_mesh.size())
         if isinstance(place, Replicate):
             whole.add(id(p))
         elif not (isinstance(place, Shard) and place.dim in ((0, 1) if p.dim() == 2 else (0,))):
@@ -194,6 +196,24 @@ def _check_plan(module: nn.Module, tp_mesh: Any) -> set[int]:
                 "are the shardings of ColwiseParallel/RowwiseParallel (Shard(0) or Shard(1) of a "
                 "weight, Shard(0) of a bias) and Replicate()")
     return whole
+
+
+def _check_divides(name: str, p: Tensor, place: Any, size: int) -> None:
+    """A Linear's weight sharded on its input dimension (RowwiseParallel) must cut it evenly:
+    DTensor's matmul of an unevenly sharded input fails in the first forward (torch's "Sharding
+    propagation failed for aten.addmm"), also without the engine. An embedding's rows (Shard(0))
+    and a column-wise layer's outputs may be uneven."""
+    if not (isinstance(place, Shard) and place.dim == 1 and p.dim() == 2):
+        return
+    n = p.shape[1]
+    if n % size:
+        module = name.rpartition(".")[0] or name
+        raise ValueError(
+            f"ZeroOffload: RowwiseParallel on {module!r}: its input size {n} does not divide by "
+            f"the tensor-parallel size {size}, and torch's DTensor cannot multiply an unevenly "
+            f"sharded input (the first forward would fail in aten.addmm). Use an input size that "
+            f"divides by {size} (e.g. {-(-n // size) * size}), or keep the uneven dimension on "
+            "an embedding or a ColwiseParallel layer's output")
 
 
 def _chunk_sizes(n: int, parts: int) -> list[int]:
