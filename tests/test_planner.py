@@ -227,7 +227,7 @@ CLI = ["--precision", "bf16-mixed", "--device-memory", "24GiB", "--host-memory",
 # plan() keywords of each change the planner lists, from its flags
 FLAG_KW = {"--moment-dtype": ("moment_dtype", str), "--world-size": ("world_size", int),
            "--ranks-per-node": ("ranks_per_node", int), "--batch-size": ("batch_size", int),
-           "--seq-len": ("seq_len", int)}
+           "--seq-len": ("seq_len", int), "--offload-fraction": ("offload_fraction", float)}
 
 
 def _replan_kwargs(change: str) -> dict:
@@ -243,6 +243,10 @@ def _replan_kwargs(change: str) -> dict:
             out["device_memory"] = words[1]
         elif words[0] == "--attention":
             out["attention"] = words[1]
+        elif words[0] == "--host-reserve":  # "--host-reserve 6GiB (less for the OS, ...)"
+            out["host_reserve"] = words[1]
+        elif words[0] == "--device-memory-headroom":
+            out["device_memory_headroom"] = float(words[1])
         else:
             for flag, value in zip(words[::2], words[1::2], strict=True):
                 key, cast = FLAG_KW[flag]
@@ -278,8 +282,11 @@ def _llama7b(folder: Path) -> Path:
     # bf16 moments would need 65.2 GiB: only int8 and more ranks fit
     ("7e9", False, "64GiB", "24GiB", {"--moment-dtype int8", "--world-size 2 --ranks-per-node 1"}),
     # delayed update: a second device copy of the weights (48 GiB device) and 2 more host bytes;
-    # without it 117.8 GiB, under 136 GiB less the 10% reserve
-    ("9e9", True, "136GiB", "48GiB", {"--moment-dtype bf16", "--moment-dtype int8",
+    # without it 117.8 GiB, under 136 GiB less the 10% reserve; the pool's own settings first:
+    # 10% of the state on the device, a smaller headroom under "auto", a 6 GiB reserve
+    ("9e9", True, "136GiB", "48GiB", {"--offload-fraction 0.9", "--device-memory-headroom 0.06",
+                                      "--host-reserve 6GiB (less for the OS, Python and data "
+                                      "loaders)", "--moment-dtype bf16", "--moment-dtype int8",
                                       "--world-size 2 --ranks-per-node 1",
                                       "without --delayed-update"}),
 ])

@@ -4,9 +4,11 @@
 that would make it fit. Every change listed here was re-planned with the planner's own counting
 (the ``evaluate`` callable ``plan`` passes in) and fits as a whole; its figures are that plan's.
 
-Device and host bytes depend on different settings (the device on the weights and the
-activations; the host on ``moment_dtype`` and the ranks; delayed update and an explicit offload
-fraction on both: the fraction ``"auto"`` would take is offered first), so when both
+The pool's own settings are searched first (the largest fixed offload fraction that fits, a
+smaller ``device_memory_headroom`` under ``"auto"``, a smaller host reserve), then the moment
+dtype, then other hardware (more ranks, a larger device). Device and host bytes depend on
+different settings (the device on the weights and the activations; the host on
+``moment_dtype`` and the ranks; delayed update and the offload fraction on both), so when both
 are short a fitting change is one device-side change plus one host-side change (pairs are tried
 only when no single change fits). When the weights fit the device and the activations do not,
 the device-side changes are what reduce activations: activation checkpointing, memory-efficient
@@ -77,17 +79,52 @@ def _largest(key: str, base: dict[str, Any], s: dict[str, Any],
     return lo
 
 
-def _fraction(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
-    """The offload fraction ``"auto"`` resolves to (both memories fit, the device within its
-    headroom), as a number of at most three decimals that re-plans to a fit; None if none."""
-    q = evaluate({"offload_fraction": "auto"})
-    if not q.fits:
+def _largest_step(hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The largest ``i`` in ``[0, hi]`` with ``ok(i)`` (``ok`` true below some point)."""
+    if not ok(0):
         return None
-    for digits in (2, 3):  # rounded down: a little more on the device, never on the host
-        f = math.floor(q.offload_fraction * 10**digits) / 10**digits
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _fraction(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
+    """The largest fixed offload fraction (two, else three decimals) that fits both memories: a
+    fixed fraction may use the whole device, where ``"auto"`` keeps the headroom free (the
+    plan then notes what it leaves). Host bytes fall with the fraction, device bytes rise."""
+    for scale in (100, 1000):
+        top = _largest_step(scale, lambda i, scale=scale: evaluate(
+            {"offload_fraction": i / scale}).host_fits is not False)
+        if top is None:
+            return None
+        f = top / scale
         if f != s["offload_fraction"] and evaluate({"offload_fraction": f}).fits:
             return {"offload_fraction": f}
     return None
+
+
+def _headroom(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
+    """Under ``"auto"``: the largest smaller ``device_memory_headroom`` (two decimals) that fits."""
+    below = math.ceil(s["headroom"] * 100) - 1
+    if s["offload_fraction"] != "auto" or below < 0:
+        return None
+    best = _largest_step(below, lambda i: not evaluate(
+        {"headroom": (below - i) / 100}).fits)  # the most headroom kept: first that fits - 1
+    h = (below - best - 1) / 100 if best is not None else below / 100
+    return {"headroom": h} if h >= 0 and evaluate({"headroom": h}).fits else None
+
+
+def _reserve(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
+    """The largest smaller host reserve (whole GiB) that fits."""
+    have = s["host_reserve"] // GiB
+    if s["host_memory"] is None or s["host_reserve"] == 0:
+        return None
+    top = _largest_step(have, lambda i: not evaluate({"host_reserve": (have - i) * GiB}).fits)
+    r = (have - top - 1) if top is not None else have
+    return {"host_reserve": r * GiB} if r >= 0 and evaluate(
+        {"host_reserve": r * GiB}).fits else None
 
 
 def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any]]:
@@ -140,6 +177,11 @@ def _flags(o: dict[str, Any]) -> str:
             parts.append(f"--seq-len {value}")
         elif key == "device_memory":
             parts.append(f"--device-memory {value // GiB}GiB (a larger device)")
+        elif key == "headroom":
+            parts.append(f"--device-memory-headroom {value:g}")
+        elif key == "host_reserve":
+            parts.append(f"--host-reserve {value // GiB}GiB (less for the OS, Python and data "
+                         "loaders)")
     return " + ".join(parts)
 
 
@@ -150,8 +192,10 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
     device_side: list[dict[str, Any]] = []
     host_side: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
-    fraction = [f] if cuda and s["offload_fraction"] != "auto" and (
-        f := _fraction(s, evaluate)) else []  # listed first: it keeps every other setting
+    # The pool's own settings first: each keeps the model, the machine and the batch.
+    pool = [o for o in (_fraction(s, evaluate) if cuda else None,
+                        _headroom(s, evaluate) if cuda else None, _reserve(s, evaluate))
+            if o is not None]
     if s["delayed_update"]:
         both.append({"delayed_update": False})
     host_side += [{"moment_dtype": m} for m in ("bf16", "int8") if m != s["moment_dtype"]]
@@ -161,14 +205,14 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
         p.device_bytes - p.activation_bytes <= p.device_memory)
     if cuda and p.activation_bytes and p.device_fits is False and weights_fit:
         device_side += _activation_changes(s, evaluate)
-    plans = {id(o): evaluate(o) for o in fraction + device_side + host_side + both}
+    plans = {id(o): evaluate(o) for o in pool + host_side + device_side + both}
     fixes_device = [o for o in device_side + both if plans[id(o)].device_fits]
     if cuda and p.device_fits is False and not weights_fit:  # the weights alone: a larger GPU
         o = {"device_memory": math.ceil(p.device_bytes / GiB) * GiB}
         plans[id(o)] = evaluate(o)
         device_side.append(o)
         fixes_device.append(o)
-    out = [_entry(_flags(o), plans[id(o)]) for o in fraction + device_side + host_side + both
+    out = [_entry(_flags(o), plans[id(o)]) for o in pool + host_side + device_side + both
            if plans[id(o)].fits]
     if not out:  # both memories short (or delayed update and the host): one change of each
         for d in fixes_device:

@@ -66,6 +66,8 @@ class Plan:
     async_copy_sharded: int = 0
     async_copy_consolidated: int = 0
     async_copy_fits: dict[str, bool | None] = field(default_factory=dict)
+    # "auto" with no split that fits: the closest it tried (``_tried``), else None
+    auto_tried: dict[str, Any] | None = None
 
     @property
     def host_usable(self) -> int | None:
@@ -305,6 +307,10 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                                   lambda k: fits(k)[0] is not False)
 
     k = on_device(total - frozen, frozen, acts)
+    tried = None
+    if k is None and device == "cuda":  # "auto" found no split: say the best one it tried
+        tried = _tried(lambda j: sizes(total - frozen, frozen, st["accumulate"], acts, j),
+                       shards(total - frozen), dev_mem, usable, ranks, st["headroom"])
     k = 0 if k is None else k  # nothing fits: the figures with all state on the host
     dev, host = sizes(total - frozen, frozen, st["accumulate"], acts, k)
     dev_bytes, host_bytes = sum(dev.values()), sum(host.values())
@@ -377,7 +383,21 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 device_memory_headroom=st["headroom"], device_optimizer_bytes=optimizer,
                 offload_fraction_after_first_step=after,
                 async_copy_sharded=copies["sharded"],
-                async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits)
+                async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits,
+                auto_tried=tried)
+
+
+def _tried(sizes: Any, own: list[int], dev_mem: int | None, usable: int | None, ranks: int,
+           headroom: float) -> dict[str, Any]:
+    """The split "auto" came closest with: the fewest device buckets whose host part fits (all
+    of them when none does), each memory's need there and what it may use."""
+    def host(j: int) -> int:
+        return sum(sizes(j)[1].values()) * ranks
+    j = split.fewest(len(own), lambda i: usable is None or host(i) <= usable)
+    return {"offload_fraction": split.host_fraction(own, j),
+            "device_bytes": sum(sizes(j)[0].values()),
+            "device_limit": None if dev_mem is None else int(dev_mem * (1 - headroom)),
+            "host_bytes_per_node": host(j), "host_usable": usable}
 
 
 def _async_copies(trained: int, world_size: int, moment_dtype: str,

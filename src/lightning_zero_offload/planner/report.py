@@ -32,6 +32,23 @@ def _split(p: Any) -> list[str]:
     on_device = ("all of the optimizer state on the host" if f == 1.0 else
                  f"{1 - f:.1%} of the optimizer state on the device "
                  f"({_size(p.device_optimizer_bytes)}: the buckets of the first layers)")
+    t = p.auto_tried
+    if t is not None:  # nothing fits: what auto tried, and which memory is short by how much
+        short = [f"the device needs {_size(t['device_bytes'])} of the "
+                 f"{_size(t['device_limit'])} it may use (within {within}: "
+                 f"--device-memory-headroom), short by "
+                 f"{_size(t['device_bytes'] - t['device_limit'])}"
+                 if t["device_limit"] is not None and t["device_bytes"] > t["device_limit"]
+                 else "", f"the host needs {_size(t['host_bytes_per_node'])} per node of "
+                 f"{_size(t['host_usable'])}, short by "
+                 f"{_size(t['host_bytes_per_node'] - t['host_usable'])}"
+                 if t["host_usable"] is not None and t["host_bytes_per_node"] > t["host_usable"]
+                 else ""]
+        how = ("all of the optimizer state on the device: the host is short even so"
+               if short[1] else "the fewest device buckets whose host part fits")
+        return [f"offload fraction: no split fits both memories (auto tried "
+                f"{t['offload_fraction']:.3f}, {how}: {'; '.join(x for x in short if x)}); "
+                "the figures above are all-host"]
     if p.offload_fraction_setting != "auto":
         return [f"offload fraction: {f:.3f} (--offload-fraction "
                 f"{p.offload_fraction_setting:g}): {on_device}"]

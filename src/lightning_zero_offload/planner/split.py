@@ -43,6 +43,12 @@ def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
     return lo
 
 
+def fewest(n_buckets: int, host_fits: Callable[[int], bool]) -> int:
+    """The fewest device buckets whose host part fits; all of them when none does."""
+    k = _first(0, n_buckets, host_fits)
+    return n_buckets if k is None else k
+
+
 def resolve_auto(n_buckets: int, host_fits: Callable[[int], bool],
                  device_fits: Callable[[int], bool]) -> int | None:
     """``"auto"`` at setup: the fewest device buckets whose host part fits the host, if their

@@ -1,0 +1,111 @@
+"""The planner's advice (``planner.advice``): the pool's own settings (a fixed offload
+fraction, the headroom, the host reserve) are searched before the moment dtype and other
+hardware, and every change ``lzo-plan`` prints, fed back as its flags, plans to a fit; when no
+split fits, the report says what "auto" tried and which memory is short by how much."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lightning_zero_offload.planner import main, plan
+
+BOX = ["--device-memory", "141GiB", "--host-memory", "128GiB", "--no-measure"]
+CASES = {  # name -> lzo-plan arguments (the H200 box unless given)
+    "16B fp32 moments": ["--params", "16e9"],
+    "22B int8 at 0.5": ["--params", "22e9", "--moment-dtype", "int8", "--offload-fraction",
+                        "0.5"],
+    "13B all host": ["--params", "13e9", "--offload-fraction", "1"],
+    "50B": ["--params", "50e9"],
+    "16B delayed": ["--params", "16e9", "--delayed-update"],
+    "7B on 24 GiB with activations": ["--params", "7e9", "--precision", "bf16-mixed",
+                                      "--batch-size", "8", "--seq-len", "4096", "--model",
+                                      "{model}", "--device-memory", "24GiB"],
+    "3B on a 16 GiB device, 32 GiB host": ["--params", "3e9", "--device-memory", "16GiB",
+                                           "--host-memory", "32GiB"],
+}
+
+
+def _report(args: list[str], capsys) -> str:
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
+def _suggestions(out: str) -> list[str]:
+    block = out.split("changes that fit:\n", 1)
+    if len(block) == 1:
+        return []
+    return [m.group(1) for m in re.finditer(r"^  (.+?): device [^\n]*per node$", block[1],
+                                            re.MULTILINE)]
+
+
+def _applied(args: list[str], change: str) -> list[str]:
+    """``args`` with the printed ``change`` applied, as a user would type it."""
+    out = list(args)
+    for part in change.split(" + "):
+        part = re.sub(r" \(.*\)$", "", part)
+        if part == "without --delayed-update":
+            out.remove("--delayed-update")
+        else:
+            out += part.split()
+    return out
+
+
+def _args(case: str, tmp_path) -> list[str]:
+    model = tmp_path / "config.json"
+    model.write_text('{"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, '
+                     '"num_attention_heads": 32, "vocab_size": 32000, '
+                     '"intermediate_size": 11008}')
+    args = [a.replace("{model}", str(model)) for a in CASES[case]]
+    if "--model" in args:  # the count comes from the config
+        i = args.index("--params")
+        del args[i:i + 2]
+    return [*BOX[:2] * ("--device-memory" not in args), *BOX[2:]] + args
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_printed_change_fits_when_fed_back(case, tmp_path, capsys):
+    args = _args(case, tmp_path)
+    out = _report(args, capsys)
+    assert "fits: NO" in out, out
+    changes = _suggestions(out)
+    assert changes, out
+    for change in changes:
+        again = _report(_applied(args, change), capsys)
+        assert "fits: yes" in again, (change, again)
+
+
+def test_the_pool_is_searched_before_other_hardware(tmp_path, capsys):
+    out = _report(_args("16B fp32 moments", tmp_path), capsys)
+    changes = _suggestions(out)
+    pool = [c.split()[0] for c in changes[:3]]
+    assert pool == ["--offload-fraction", "--device-memory-headroom", "--host-reserve"], changes
+    assert changes.index(next(c for c in changes if c.startswith("--moment-dtype"))) == 3
+    # 22B int8 at 0.5 was advised only a 185 GiB device; the fraction that fits comes first
+    changes = _suggestions(_report(_args("22B int8 at 0.5", tmp_path), capsys))
+    f = float(changes[0].split()[1])
+    assert changes[0].startswith("--offload-fraction") and 0.6 < f < 0.75, changes
+    assert plan(22e9, moment_dtype="int8", offload_fraction=f, precision="bf16-mixed",
+                device_memory="141GiB", host_memory="128GiB", measure=False).fits
+    # the largest such fraction: 0.01 more on the host does not fit
+    assert not plan(22e9, moment_dtype="int8", offload_fraction=f + 0.01,
+                    device_memory="141GiB", host_memory="128GiB", measure=False).fits
+
+
+def test_when_nothing_fits_the_report_says_what_auto_tried(tmp_path, capsys):
+    out = _report(_args("16B fp32 moments", tmp_path), capsys)
+    assert "(auto: all of the optimizer state on the host)" not in out
+    line = next(x for x in out.splitlines() if x.startswith("offload fraction:"))
+    m = re.search(r"auto tried (\d\.\d{3}), the fewest device buckets whose host part fits: "
+                  r"the device needs ([\d.]+) GiB of the ([\d.]+) GiB it may use .* short by "
+                  r"([\d.]+) GiB", line)
+    assert m, line
+    tried, need, limit, short = (float(x) for x in m.groups())
+    assert 0 < tried < 1 and need > limit and short == pytest.approx(need - limit, abs=0.02)
+    p = plan(16e9, device_memory="141GiB", host_memory="128GiB", measure=False)
+    assert p.auto_tried["offload_fraction"] == pytest.approx(tried, abs=5e-4)
+    # at that fraction the host fits and the device is short by what the line says
+    at = plan(16e9, offload_fraction=p.auto_tried["offload_fraction"], device_memory="141GiB",
+              host_memory="128GiB", measure=False)
+    assert at.host_fits and at.device_bytes / 2**30 == pytest.approx(need, abs=0.01)
