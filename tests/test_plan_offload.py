@@ -145,3 +145,26 @@ def test_cpu_device_refuses_a_fraction_below_one():
     with pytest.raises(ValueError, match="offload_fraction: 0.5 with the CPU"):
         plan(1e9, device="cpu", offload_fraction=0.5, measure=False)
     assert plan(1e9, device="cpu", measure=False).offload_fraction == 1.0
+
+
+def test_the_device_parts_step_is_counted_apart_from_the_cpu_step(capsys):
+    """The CPU step counts the host part only; the device part's step is printed separately:
+    its elements per rank and its memory traffic (fp32 master and moments read and written, the
+    half gradient read and weights written: 28 bytes in bf16), timed only where CUDA is."""
+    import torch
+
+    half = plan(N, offload_fraction=0.5, device_memory="141GiB", measure=False)
+    elems = N - int(N * half.offload_fraction)
+    assert half.device_step_elements == pytest.approx(elems, abs=1)
+    assert half.device_step_bytes == half.device_step_elements * 28
+    assert plan(N, offload_fraction=1.0, measure=False).device_step_elements == 0
+    zero = plan(N, offload_fraction=0.0, measure=False)
+    assert zero.device_step_elements == N and zero.device_step_bytes == 28 * N
+    assert main(["--params", str(N), "--offload-fraction", "0.5"]) == 0
+    out = capsys.readouterr().out
+    cpu = next(x for x in out.splitlines() if x.startswith("predicted CPU step"))
+    assert "the host part, 50.0% of the state" in cpu
+    line = next(x for x in out.splitlines() if x.startswith("device part's step"))
+    assert f"{half.device_step_elements / 1e9:.2f}B elements per rank" in line
+    if not torch.cuda.is_available():
+        assert "not measured: this machine has no CUDA device" in line

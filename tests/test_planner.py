@@ -173,6 +173,18 @@ def test_bad_inputs_name_the_problem():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_parts_step_is_measured_on_cuda():
+    """Where CUDA is, the device part's step is timed (torch's fused AdamW); its traffic over
+    its time is a memory bandwidth a device can have (under 10 TB/s)."""
+    half = plan(13e9, offload_fraction=0.5, device_memory="141GiB", host_memory="128GiB",
+                cpu_threads=1)
+    assert half.device_step_seconds is not None and half.device_step_seconds > 0
+    assert half.device_step_bytes / half.device_step_seconds < 10e12
+    assert "measured on this machine's device" in str(half)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_planned_pinned_bytes_match_cuda_host_allocator():
     """On CUDA the pinned buffers (staging, weight output) equal the caching host allocator's
     count, and the engine's unpinned state equals the planner's."""
@@ -617,4 +629,4 @@ def test_the_predicted_cpu_step_counts_the_host_part_only():
     assert half.cpu_step_seconds == pytest.approx(
         whole.trainable_params * half.offload_fraction / half.kernel_params_per_second)
     assert 0.4 < half.offload_fraction < 0.6 and none.cpu_step_seconds == 0.0
-    assert "the device part's step runs on the device" in str(half)
+    assert "the host part, " in str(half) and "device part's step: " in str(half)

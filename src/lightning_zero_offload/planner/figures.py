@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core import device_budget, rule
-from lightning_zero_offload.planner import inputs, split
+from lightning_zero_offload.planner import inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
 
@@ -68,6 +67,11 @@ class Plan:
     async_copy_fits: dict[str, bool | None] = field(default_factory=dict)
     # "auto" with no split that fits: the closest it tried (``_tried``), else None
     auto_tried: dict[str, Any] | None = None
+    # the device part's step (torch's fused AdamW): elements per rank, memory traffic, and the
+    # time measured where this machine has CUDA (else None)
+    device_step_elements: int = 0
+    device_step_bytes: int = 0
+    device_step_seconds: float | None = None
 
     @property
     def host_usable(self) -> int | None:
@@ -129,35 +133,6 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
         if activations:
             dev["activations (estimate)"] = activations
     return dev, {k: v for k, v in host.items() if v}
-
-
-def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
-                   numel: int = 4 * 2**20, moment_dtype: str = "fp32") -> float:
-    """Parameters per second of ``ops.fused_adamw_`` on this host (fp32 master, moments in
-    ``moment_dtype``, the gradient and weight output in the compute dtype), timed for about
-    ``seconds``."""
-    import torch
-
-    from lightning_zero_offload.core.config import PRECISIONS
-    from lightning_zero_offload.ops import Moments, fused_adamw_
-
-    dtype = PRECISIONS[precision]
-    half = dtype != torch.float32
-    p, mom = torch.randn(numel), Moments.zeros(numel, moment_dtype)
-    g = torch.randn(numel).to(dtype)
-    out = torch.empty(numel, dtype=dtype) if half else None
-    def run(step: int) -> None:
-        fused_adamw_(p, g, step=step, lr=1e-4, weight_decay=0.01, out=out,
-                     num_threads=threads, **mom.kernel_args())
-
-    run(1)  # build/load the kernel and touch every page
-    steps, start = 0, time.perf_counter()
-    while True:
-        steps += 1
-        run(steps + 1)
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds:
-            return steps * numel / elapsed
 
 
 def plan(params: int | float | str | None = None, *, model: str | os.PathLike | None = None,
@@ -252,7 +227,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
 
         threads = cpu_threads or default_threads(world_size, torch.device(device),
                                                  delayed_update)
-        rate = measure_kernel(precision, threads, moment_dtype=moment_dtype)
+        rate = speed.measure_kernel(precision, threads, moment_dtype=moment_dtype)
         result.cpu_threads, result.kernel_params_per_second = threads, rate
         # the host part only: the device part's buckets step on the device
         result.cpu_step_seconds = (-(-(total - frozen) // world_size)
@@ -260,6 +235,15 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
         result.notes.append("the CPU step prediction assumes this host trains the run, each "
                             f"rank with {threads} threads; a shared or busy machine measures "
                             "slower")
+    if device == "cuda":  # the device part's step: its traffic, its time where CUDA is here
+        result.device_step_elements = int(-(-(total - frozen) // world_size)
+                                          * (1 - result.offload_fraction))
+        result.device_step_bytes = result.device_step_elements * speed.device_step_bytes(
+            _ELEM[precision])
+        if measure and result.device_step_elements:
+            rate = speed.measure_device_step(precision)
+            result.device_step_seconds = None if rate is None else (
+                result.device_step_elements / rate)
     return result
 
 
@@ -309,7 +293,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
     k = on_device(total - frozen, frozen, acts)
     tried = None
     if k is None and device == "cuda":  # "auto" found no split: say the best one it tried
-        tried = _tried(lambda j: sizes(total - frozen, frozen, st["accumulate"], acts, j),
+        tried = split.tried(lambda j: sizes(total - frozen, frozen, st["accumulate"], acts, j),
                        shards(total - frozen), dev_mem, usable, ranks, st["headroom"])
     k = 0 if k is None else k  # nothing fits: the figures with all state on the host
     dev, host = sizes(total - frozen, frozen, st["accumulate"], acts, k)
@@ -385,19 +369,6 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 async_copy_sharded=copies["sharded"],
                 async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits,
                 auto_tried=tried)
-
-
-def _tried(sizes: Any, own: list[int], dev_mem: int | None, usable: int | None, ranks: int,
-           headroom: float) -> dict[str, Any]:
-    """The split "auto" came closest with: the fewest device buckets whose host part fits (all
-    of them when none does), each memory's need there and what it may use."""
-    def host(j: int) -> int:
-        return sum(sizes(j)[1].values()) * ranks
-    j = split.fewest(len(own), lambda i: usable is None or host(i) <= usable)
-    return {"offload_fraction": split.host_fraction(own, j),
-            "device_bytes": sum(sizes(j)[0].values()),
-            "device_limit": None if dev_mem is None else int(dev_mem * (1 - headroom)),
-            "host_bytes_per_node": host(j), "host_usable": usable}
 
 
 def _async_copies(trained: int, world_size: int, moment_dtype: str,

@@ -127,7 +127,12 @@ def render(p: Any) -> str:
         lines.append(f"predicted CPU step: {p.cpu_step_seconds:.3f} s per optimizer step "
                      f"({rate / 1e9:.2f} G params/s measured here with {p.cpu_threads} threads"
                      + (")" if p.offload_fraction == 1.0 else
-                        f"; the host part, {p.offload_fraction:.1%} of the state: the device "
-                        "part's step runs on the device, not predicted here)"))
+                        f"; the host part, {p.offload_fraction:.1%} of the state)"))
+    if p.device_step_elements:
+        when = ("not measured: this machine has no CUDA device" if p.device_step_seconds is None
+                else f"{p.device_step_seconds:.3f} s measured on this machine's device")
+        lines.append(f"device part's step: {p.device_step_elements / 1e9:.2f}B elements per "
+                     f"rank, {_size(p.device_step_bytes)} of device memory traffic per "
+                     f"optimizer step (torch's fused AdamW, memory-bound; {when})")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)

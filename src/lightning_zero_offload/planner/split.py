@@ -14,6 +14,7 @@ within ``1 - device_memory_headroom`` of its memory (``most_on_device``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from lightning_zero_offload.core.placement import count_for, host_share
 
@@ -62,3 +63,17 @@ def most_on_device(k: int, n_buckets: int, device_fits: Callable[[int], bool]) -
     device within its headroom (``k`` itself when none more does)."""
     over = _first(k + 1, n_buckets, lambda j: not device_fits(j)) if k < n_buckets else None
     return n_buckets if over is None else max(k, over - 1)
+
+
+def tried(sizes: Any, own: list[int], dev_mem: int | None, usable: int | None, ranks: int,
+          headroom: float) -> dict[str, Any]:
+    """The split "auto" came closest with: the fewest device buckets whose host part fits (all
+    of them when none does), each memory's need there and what it may use."""
+    def host(j: int) -> int:
+        return sum(sizes(j)[1].values()) * ranks
+    j = fewest(len(own), lambda i: usable is None or host(i) <= usable)
+    return {"offload_fraction": host_fraction(own, j),
+            "device_bytes": sum(sizes(j)[0].values()),
+            "device_limit": None if dev_mem is None else int(dev_mem * (1 - headroom)),
+            "host_bytes_per_node": host(j), "host_usable": usable}
+
