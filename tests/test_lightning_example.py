@@ -100,3 +100,22 @@ def test_offload_fraction_flag_reaches_the_strategy_and_help_shows_defaults():
     assert "(default: auto)" in shown.stdout and "(default: 60)" in shown.stdout, shown.stdout
     bad = _run("--offload-fraction", "1.5")
     assert bad.returncode == 2 and "must be in [0, 1] or auto, got 1.5" in bad.stderr
+
+
+def test_help_and_bad_flags_answer_without_importing_torch():
+    """``--help`` and an argparse error come from the command line alone: the job (torch,
+    Lightning, transformers) is imported only once the flags parsed."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(RECIPE)!r}] + sys.argv[1:]\n"
+        "try:\n"
+        f"    runpy.run_path({str(RECIPE)!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)\n"
+        "print('exit', code, 'imported', heavy)\n"
+    )
+    for args, code in ((["--help"], 0), (["--steps", "0"], 2)):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert f"exit {code} imported []" in proc.stdout, (args, proc.stdout, proc.stderr)

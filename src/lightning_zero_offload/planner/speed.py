@@ -50,32 +50,32 @@ def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
 
 def measure_device_step(precision: str, numel: int = 16 * 2**20,
                         seconds: float = 0.2) -> float | None:
-    """Elements per second of torch's fused AdamW on this machine's CUDA device (fp32 master and
-    moments, the gradient cast from the compute dtype as the engine's device part does); None
-    without CUDA."""
+    """Elements per second of the engine's device step (``core.rule.device_update``: torch's
+    fused AdamW over fp32 master and moments, the gradient in the compute dtype) plus the half
+    weights written out, on this machine's CUDA device; None without CUDA."""
     import torch
 
+    from lightning_zero_offload.core import rule
     from lightning_zero_offload.core.config import PRECISIONS
 
     if not torch.cuda.is_available():
         return None
     dev, dtype = torch.device("cuda"), PRECISIONS[precision]
-    p = [torch.randn(numel, device=dev)]
-    m, v = [torch.zeros_like(p[0])], [torch.zeros_like(p[0])]
-    g = torch.randn(numel, device=dev).to(dtype)
-    opt_steps = [torch.zeros((), device=dev)]
+    master, m, v = (torch.randn(numel, device=dev) for _ in range(3))
+    v.abs_()
+    grad = torch.randn(numel, device=dev).to(dtype)
+    out = torch.empty(numel, device=dev, dtype=dtype)
+    hp = rule.Hyper(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
 
-    def run() -> None:
-        torch._fused_adamw_(p, [g.float()], m, v, [], opt_steps, lr=1e-4, beta1=0.9,
-                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
-                            maximize=False)
-        p[0].to(dtype)
+    def run(step: int) -> None:
+        rule.device_update(master, grad, m, v, hp, step=step, grad_scale=1.0)
+        out.copy_(master)
 
-    run()
+    run(1)
     torch.cuda.synchronize()
     steps, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        run()
         steps += 1
+        run(steps + 1)
     torch.cuda.synchronize()
     return steps * numel / (time.perf_counter() - start)
