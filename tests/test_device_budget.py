@@ -150,3 +150,27 @@ def test_the_planner_counts_the_engines_device_allocations():
                                      accumulate=False)
     bucket = max(b.numel for b in engine.layout.buckets)
     assert got == {"weights": 2 * _weights(engine), "gradient buckets (3)": 3 * 2 * bucket}
+
+
+def test_twenty_random_capacities_are_never_exceeded():
+    """20 seeded random (capacity, precision, accumulation, delayed update) cases on the
+    emulated device: the fraction the setup error names trains with the measured peak within
+    the capacity, and "auto" (its setup and its move after the first step) never exceeds it."""
+    import random
+
+    rng = random.Random(37)
+    for case in range(20):
+        precision = rng.choice(list(ELEM))
+        micro, delayed = rng.choice([1, 2]), rng.random() < 0.4
+        kw = {"delayed_update": True, "delayed_update_warmup": 0} if delayed else {}
+        capacity = _weights() * ELEM[precision] * (2 if delayed else 1) + rng.randrange(
+            60_000, 400_000)
+        what = (case, precision, micro, delayed, capacity)
+        fraction = _named_fraction(precision, capacity, **kw)  # 0.0 never fits these
+        for setting in (fraction, "auto"):
+            with testing.emulated_async_device(seed=case, memory_bytes=capacity) as made:
+                engine = tiny_engine(precision=precision, offload_fraction=setting,
+                                     max_grad_norm=1.0, **kw)
+            train(engine, batches(3), micro=micro)
+            assert made[0].peak_bytes <= capacity, (*what, setting, made[0].peak_bytes)
+            engine.teardown()
