@@ -109,3 +109,19 @@ def test_when_nothing_fits_the_report_says_what_auto_tried(tmp_path, capsys):
     at = plan(16e9, offload_fraction=p.auto_tried["offload_fraction"], device_memory="141GiB",
               host_memory="128GiB", measure=False)
     assert at.host_fits and at.device_bytes / 2**30 == pytest.approx(need, abs=0.01)
+
+
+@pytest.mark.parametrize("params", ["16e9", "22e9"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+def test_the_h200_box_table_every_change_fits(params, moments, capsys):
+    """16B and 22B with each moment dtype on one H200 (141 GiB, 128 GiB host): where it does
+    not fit, every change printed fits when planned; one machine is offered before two (22B
+    with fp32 or bf16 moments: int8 moments with a pool setting)."""
+    args = ["--params", params, "--moment-dtype", moments, *BOX]
+    out = _report(args, capsys)
+    changes = _suggestions(out)
+    assert ("fits: yes" in out) == (not changes), out
+    for change in changes:
+        assert "fits: yes" in _report(_applied(args, change), capsys), change
+    if changes:
+        assert not changes[0].startswith("--world-size"), changes

@@ -156,6 +156,13 @@ def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str,
     return found
 
 
+def _pool(s: dict[str, Any], evaluate: Evaluate, cuda: bool) -> list[dict[str, Any]]:
+    """The pool settings that fit: fraction, headroom (on a GPU), host reserve."""
+    return [o for o in (_fraction(s, evaluate) if cuda else None,
+                        _headroom(s, evaluate) if cuda else None, _reserve(s, evaluate))
+            if o is not None]
+
+
 def _flags(o: dict[str, Any]) -> str:
     parts = []
     for key, value in o.items():
@@ -192,13 +199,18 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
     device_side: list[dict[str, Any]] = []
     host_side: list[dict[str, Any]] = []
     both: list[dict[str, Any]] = []
-    # The pool's own settings first: each keeps the model, the machine and the batch.
-    pool = [o for o in (_fraction(s, evaluate) if cuda else None,
-                        _headroom(s, evaluate) if cuda else None, _reserve(s, evaluate))
-            if o is not None]
+    # The pool's own settings first: each keeps the model, the machine and the batch; then
+    # another moment dtype, alone or, where alone it does not fit, with a pool setting.
+    pool = _pool(s, evaluate, cuda)
     if s["delayed_update"]:
         both.append({"delayed_update": False})
-    host_side += [{"moment_dtype": m} for m in ("bf16", "int8") if m != s["moment_dtype"]]
+    for m in ("bf16", "int8"):
+        if m != s["moment_dtype"]:
+            host_side.append({"moment_dtype": m})
+            if not evaluate({"moment_dtype": m}).fits:
+                host_side += [{"moment_dtype": m, **o} for o in _pool(
+                    {**s, "moment_dtype": m},
+                    lambda o, m=m: evaluate({"moment_dtype": m, **o}), cuda)]
     if p.host_fits is False and (ranks := _smallest_world_size(s, evaluate)):
         host_side.append(ranks)
     weights_fit = p.device_memory is not None and (
