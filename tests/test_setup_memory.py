@@ -16,7 +16,7 @@ import torch
 from _helpers import tiny_engine
 from _tiny_gpt import make
 
-from lightning_zero_offload.core import engine as engine_mod
+from lightning_zero_offload.core import setup as setup_mod
 from lightning_zero_offload.core import master_fill as host
 
 
@@ -35,13 +35,13 @@ def test_fp32_cpu_model_is_released_before_the_other_host_buffers(monkeypatch, p
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
     refs = _storages(model)
     alive_at_allocation: list[int] = []
-    real = engine_mod.HostBuffers
+    real = setup_mod.HostBuffers
 
     def spy(*args, **kwargs):
         alive_at_allocation.append(_alive(refs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "HostBuffers", spy)
+    monkeypatch.setattr(setup_mod, "HostBuffers", spy)
     engine = tiny_engine(model=model, precision=precision)
     # when the moments, gradients and staging are allocated, no user fp32 storage is left
     assert alive_at_allocation == [0]

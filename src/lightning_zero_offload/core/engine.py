@@ -17,23 +17,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, ranks, shard_view, tensor_parallel
+from lightning_zero_offload.core import checks, collectives, setup, shard_view, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState, stream
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import DelayedUpdate
-from lightning_zero_offload.core.device_factory import make_device
-from lightning_zero_offload.core.host import HostBuffers, budget_at
-from lightning_zero_offload.core.layout import build_layout, shard_align
-from lightning_zero_offload.core.master_fill import fill_master
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-from lightning_zero_offload.core.profile import PassTimer, ProfileRecorder, StepProfile
-from lightning_zero_offload.core.resident import DevicePart
-from lightning_zero_offload.core.step import Stepper
-from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
-from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.profile import PassTimer, StepProfile
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -66,10 +55,8 @@ class ZeroOffload:
         self.module, self.inner_optimizer = module, optimizer
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.layout = build_layout(self._groups, trainable, order, names, self.world_size,
-                                   max(1, int(config.bucket_size_mb * 2**20 / elem)),
-                                   shard_align(config.moment_dtype), self.tp)
+        self.layout = setup.lay_out(self._groups, trainable, order, names, config,
+                                    self.world_size, self.tp)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else (
                 contextlib.nullcontext()):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
@@ -77,51 +64,23 @@ class ZeroOffload:
 
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
                pinned: bool) -> None:
-        config, layout = self.config, self.layout
-        self._dev = dev = make_device(self.device, self.process_group, config.collective_timeout_s)
-        delayed, half = config.delayed_update, dtype != torch.float32
-        kw: dict[str, Any] = dict(asynchronous=dev.asynchronous, delayed=delayed, pinned=pinned,
-                                  moment_dtype=config.moment_dtype, accumulate=config.accumulate)
-        trained = {id(s.param): s.name for s in layout.slots}  # id -> state_dict name
-        self._part = part = DevicePart(layout, dev, dtype, config, self.rank, self.process_group,
-                                       budget_at(layout, module, trained, dtype, **kw,
-                                                 cpu=self.device.type == "cpu"
-                                                 and dev.memory() is None))
-        ranks.start(layout, module, self.process_group, self.device, self.tp, part.choose, config)
-        self.host_budget = part.agree()  # bytes this rank; a lazy fp32 gradient adds its own
-        resident = part.stages()  # on the device, then the master: the host's and theirs,
-        master = fill_master(layout, self.rank, dtype, pinned, resident)
-        self._profile = ProfileRecorder()  # then the device weights take the parameters over
-        self._weights = DeviceWeights(layout, module, dtype, dev, self.rank, trained, delayed,
-                                      self._profile)  # (their fp32 storage goes), then the rest
-        self._host = host = HostBuffers(layout, dtype, rank=self.rank, master=master, **kw,
-                                        check_memory=config.check_host_memory,
-                                        budget=self.host_budget, resident=resident)
-        self._streamer = GradStreamer(layout, host, dtype, dev, self.rank, self.process_group,
-                                      self._profile)
+        o = setup.build(setup.Where(self.layout, module, self.config, dtype, pinned, self.rank,
+                                    self.process_group, self.device, self.tp, self.decoupled))
+        self._dev, self._part, self.host_budget, self._profile = o.dev, o.part, o.host_budget, (
+            o.profile)
+        self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
+        self._worker, self._delayed, self._stepper = o.worker, o.delayed, o.stepper
         self._timer = PassTimer(self._profile)
         self._hooks = [module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)]
         self._hooks += [m.register_forward_pre_hook(self._forward_started) for m in module.modules()
                         if m is not module and next(m.parameters(recurse=False), None) is not None]
         # Loops that zero gradients through the model (the transformers Trainer) clear ours too.
         module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
-        cores, threads = config.cpu_affinity, step_threads(config, self.world_size, self.device)
-        self._worker = CpuStepWorker(cores, self.device) if delayed or cores else None
-        update = HostUpdate(layout, host, self._streamer, rank=self.rank, threads=threads,
-                            seed=config.moment_seed, asynchronous=dev.asynchronous, half=half,
-                            profile=self._profile)
-        self._delayed = DelayedUpdate(self._worker, self._profile, self._weights, host, update)
-        on_device = DeviceUpdate(layout, host, self._streamer, rank=self.rank,
-                                 profile=self._profile)
-        self._stepper = Stepper(layout, self._streamer, self._weights, update, on_device,
-                                self._delayed, config, decoupled=self.decoupled, rank=self.rank,
-                                process_group=self.process_group, device=self.device,
-                                profile=self._profile, worker=self._worker)
         self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
         self.optimizer = OffloadOptimizer(self, optimizer)
-        self._state = EngineState(layout, self.rank, self.process_group, host, self._weights,
-                                  self._stepper, module, self.optimizer.param_groups,
-                                  str(config.precision))
+        self._state = EngineState(self.layout, self.rank, self.process_group, self._host,
+                                  self._weights, self._stepper, module, self.optimizer.param_groups,
+                                  str(self.config.precision))
 
     # -- forward / backward ------------------------------------------------------------------
     def _forward_started(self, *_: object) -> None:
@@ -187,12 +146,8 @@ class ZeroOffload:
             self._timer.close(self._calls)
             self._stepper.step(self.optimizer.param_groups, self._calls)
             self._state.saves.poll()  # an asynchronous save published once every rank wrote it
-            if self._part.wants_move:  # "auto": once, after the first step, nothing in flight
-                self._delayed.join()
-                self._streamer.drain()
-                self._dev.synchronize()
-                self._streamer.buffers_replaced()  # its views of the host gradients go first
-                self._part.move(self._host, self.host_budget)
+            if self._part.wants_move:  # "auto": once, after the first step
+                self._part.move(self._host, self.host_budget, self._delayed, self._streamer)
             # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -139,10 +140,15 @@ class DevicePart:
         return self._pending_move
 
     @torch.no_grad()
-    def move(self, host: HostBuffers, budget: dict[str, int]) -> bool:
-        """Collective with several ranks; between steps, nothing in flight. Moves the next
-        buckets' state onto the device as far as the measured peak allows, ``budget`` (the
-        engine's host bytes) following; True when it did."""
+    def move(self, host: HostBuffers, budget: dict[str, int], delayed: Any, grads: Any) -> bool:
+        """Collective with several ranks; between steps. Once the delayed update (``delayed``)
+        and the gradient streamer (``grads``) have nothing in flight, moves the next buckets'
+        state onto the device as far as the measured peak allows, ``budget`` (the engine's host
+        bytes) following; True when it did."""
+        delayed.join()
+        grads.drain()
+        self.dev.synchronize()
+        grads.buffers_replaced()  # its views of the host gradients go first
         self._pending_move = False
         accumulating = host.grads.fp32 is not None
         memory = self.dev.memory()

@@ -1,0 +1,157 @@
+"""Building an engine: one function per stage, in the order its memory requires.
+
+1. :func:`place`: the device part is chosen and checked (the host and device budgets, agreed
+   over the ranks) before anything is allocated; its stages are made on the device.
+2. :func:`fill`: the fp32 master of every bucket, written where it lives (host or device stage).
+3. :func:`bind_weights`: the device weights take the parameters over; their fp32 storage goes,
+   so the host buffers that follow never coexist with a second fp32 copy.
+4. :func:`host_buffers`: the host's moments, gradients and staging, within the agreed budget.
+5. :func:`streamer`: gradients from backward into those buffers.
+6. :func:`stepper`: the host and device updates, the delayed update and the step that runs them.
+
+Each stage returns the owners it made; :func:`build` runs them and returns :class:`Owners`.
+Before them, :func:`lay_out` cuts the trained parameters into buckets and shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_zero_offload.core import ranks
+from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.delayed import DelayedUpdate
+from lightning_zero_offload.core.device import SyncDevice
+from lightning_zero_offload.core.device_factory import make_device
+from lightning_zero_offload.core.host import HostBuffers, budget_at
+from lightning_zero_offload.core.layout import Layout, build_layout, shard_align
+from lightning_zero_offload.core.master_fill import fill_master
+from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.resident import DevicePart
+from lightning_zero_offload.core.stage import DeviceStage
+from lightning_zero_offload.core.step import Stepper
+from lightning_zero_offload.core.streaming import GradStreamer
+from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
+from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate
+from lightning_zero_offload.core.weights import DeviceWeights
+
+
+@dataclass
+class Where:
+    """What an engine is built for: the model, the ranks and the device."""
+
+    layout: Layout
+    module: nn.Module
+    config: ZeroOffloadConfig
+    dtype: torch.dtype
+    pinned: bool
+    rank: int
+    group: Any  # the engine's data-parallel process group
+    device: torch.device
+    tp: Any  # core.tensor_parallel.TensorParallel or None
+    decoupled: bool  # AdamW's decoupled weight decay (else Adam's L2)
+
+    @property
+    def trained(self) -> dict[int, str]:
+        """id of each trained parameter -> its state_dict name."""
+        return {id(s.param): s.name for s in self.layout.slots}
+
+
+@dataclass
+class Owners:
+    dev: SyncDevice
+    part: DevicePart
+    host_budget: dict[str, int]  # this rank's host bytes per part (its one writer: ``part``)
+    profile: ProfileRecorder
+    weights: DeviceWeights
+    host: HostBuffers
+    streamer: GradStreamer
+    worker: CpuStepWorker | None
+    delayed: DelayedUpdate
+    stepper: Stepper
+
+
+def lay_out(groups: list[list[nn.Parameter]], trainable: Any, order: Any, names: Any,
+            config: ZeroOffloadConfig, world_size: int, tp: Any) -> Layout:
+    """The buckets (``bucket_size_mb`` of the compute dtype) and each rank's shard of them."""
+    elem = torch.empty((), dtype=config.compute_dtype).element_size()
+    return build_layout(groups, trainable, order, names, world_size,
+                        max(1, int(config.bucket_size_mb * 2**20 / elem)),
+                        shard_align(config.moment_dtype), tp)
+
+
+def _sizing(w: Where, dev: SyncDevice) -> dict[str, Any]:
+    """The host buffers' sizing arguments (the budget counts what they will allocate)."""
+    c = w.config
+    return dict(asynchronous=dev.asynchronous, delayed=c.delayed_update, pinned=w.pinned,
+                moment_dtype=c.moment_dtype, accumulate=c.accumulate)
+
+
+def place(w: Where) -> tuple[SyncDevice, DevicePart, dict[str, int], list[DeviceStage]]:
+    """Stage 1. Collective with several ranks (the setup checks agree)."""
+    dev = make_device(w.device, w.group, w.config.collective_timeout_s)
+    budget = budget_at(w.layout, w.module, w.trained, w.dtype, **_sizing(w, dev),
+                       cpu=w.device.type == "cpu" and dev.memory() is None)
+    part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget)
+    ranks.start(w.layout, w.module, w.group, w.device, w.tp, part.choose, w.config)
+    host_budget = part.agree()  # a lazy fp32 gradient adds its own later
+    return dev, part, host_budget, part.stages()
+
+
+def fill(w: Where, resident: list[DeviceStage]) -> list[torch.Tensor]:
+    """Stage 2: the host's fp32 master (the device stages' filled in place)."""
+    return fill_master(w.layout, w.rank, w.dtype, w.pinned, resident)
+
+
+def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceWeights:
+    """Stage 3: the parameters become views of the device weights."""
+    return DeviceWeights(w.layout, w.module, w.dtype, dev, w.rank, w.trained,
+                         w.config.delayed_update, profile)
+
+
+def host_buffers(w: Where, dev: SyncDevice, master: list[torch.Tensor], budget: dict[str, int],
+                 resident: list[DeviceStage]) -> HostBuffers:
+    """Stage 4."""
+    return HostBuffers(w.layout, w.dtype, rank=w.rank, master=master, **_sizing(w, dev),
+                       check_memory=w.config.check_host_memory, budget=budget,
+                       resident=resident)
+
+
+def streamer(w: Where, host: HostBuffers, dev: SyncDevice,
+             profile: ProfileRecorder) -> GradStreamer:
+    """Stage 5."""
+    return GradStreamer(w.layout, host, w.dtype, dev, w.rank, w.group, profile)
+
+
+def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
+            weights: DeviceWeights, profile: ProfileRecorder
+            ) -> tuple[CpuStepWorker | None, DelayedUpdate, Stepper]:
+    """Stage 6: the worker (delayed update or pinned cores), the updates and the step."""
+    c = w.config
+    cores, threads = c.cpu_affinity, step_threads(c, w.layout.world_size, w.device)
+    worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores else None
+    update = HostUpdate(w.layout, host, grads, rank=w.rank, threads=threads, seed=c.moment_seed,
+                        asynchronous=dev.asynchronous, half=w.dtype != torch.float32,
+                        profile=profile)
+    delayed = DelayedUpdate(worker, profile, weights, host, update)
+    on_device = DeviceUpdate(w.layout, host, grads, rank=w.rank, profile=profile)
+    step = Stepper(w.layout, grads, weights, update, on_device, delayed, c,
+                   decoupled=w.decoupled, rank=w.rank, process_group=w.group, device=w.device,
+                   profile=profile, worker=worker)
+    return worker, delayed, step
+
+
+def build(w: Where) -> Owners:
+    """Every stage, in order."""
+    dev, part, host_budget, resident = place(w)
+    master = fill(w, resident)
+    profile = ProfileRecorder()
+    weights = bind_weights(w, dev, profile)
+    host = host_buffers(w, dev, master, host_budget, resident)
+    del master  # the host buffers own it now
+    grads = streamer(w, host, dev, profile)
+    worker, delayed, step = stepper(w, dev, host, grads, weights, profile)
+    return Owners(dev, part, host_budget, profile, weights, host, grads, worker, delayed, step)
