@@ -66,16 +66,12 @@ class ZeroOffload:
                pinned: bool) -> None:
         o = setup.build(setup.Where(self.layout, module, self.config, dtype, pinned, self.rank,
                                     self.process_group, self.device, self.tp, self.decoupled))
-        self._dev, self._part, self.host_budget, self._profile = o.dev, o.part, o.host_budget, (
-            o.profile)
+        self._dev, self._part, self._profile = o.dev, o.part, o.profile
         self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
         self._worker, self._delayed, self._stepper = o.worker, o.delayed, o.stepper
         self._timer = PassTimer(self._profile)
-        self._hooks = [module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)]
-        self._hooks += [m.register_forward_pre_hook(self._forward_started) for m in module.modules()
-                        if m is not module and next(m.parameters(recurse=False), None) is not None]
-        # Loops that zero gradients through the model (the transformers Trainer) clear ours too.
-        module.zero_grad = self._zero_grad_with_module  # type: ignore[method-assign]
+        self._hooks = setup.hook(module, self._cast_inputs, self._forward_started,
+                                 self._zero_grad_with_module)
         self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
         self.optimizer = OffloadOptimizer(self, optimizer)
         self._state = EngineState(self.layout, self.rank, self.process_group, self._host,
@@ -92,6 +88,11 @@ class ZeroOffload:
         self._forward_started()
         return checks.cast_floats(args, self.compute_dtype), checks.cast_floats(
             kwargs, self.compute_dtype)
+
+    @property
+    def host_budget(self) -> dict[str, int]:
+        """This rank's host bytes per part (the device part owns and writes it)."""
+        return self._part.host_budget
 
     @property
     def host_bytes(self) -> int:
@@ -147,7 +148,7 @@ class ZeroOffload:
             self._stepper.step(self.optimizer.param_groups, self._calls)
             self._state.saves.poll()  # an asynchronous save published once every rank wrote it
             if self._part.wants_move:  # "auto": once, after the first step
-                self._part.move(self._host, self.host_budget, self._delayed, self._streamer)
+                self._part.move(self._host, self._delayed, self._streamer)
             # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)

@@ -253,11 +253,12 @@ class HostBuffers:
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
                  delayed: bool, pinned: bool, moment_dtype: str = "fp32", rank: int = 0,
                  accumulate: bool | None = False, check_memory: bool = False,
-                 master: list[Tensor] | None = None, budget: dict[str, int] | None = None,
+                 master: list[Tensor] | None = None,
+                 on_fp32: Callable[[int], None] | None = None,
                  resident: list[DeviceStage] | None = None) -> None:
         self.layout, self.moment_dtype = layout, moment_dtype
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
-        self.budget = budget  # the engine's host_budget: a lazy fp32 gradient enters it
+        self._on_fp32 = on_fp32  # told the bytes of a lazy fp32 gradient (the budget's owner)
         self._args = (dtype, asynchronous, pinned)
         self.resident = resident = list(resident or [])  # the device's trailing buckets
         half = dtype != torch.float32
@@ -321,8 +322,8 @@ class HostBuffers:
         if self._check_memory:
             check_lazy_fp32(needed, self.rank)
         self._allocate_fp32()
-        if self.budget is not None:  # budget = allocation, from here on with the fp32 gradient
-            self.budget["grad_fp32"] = needed
+        if self._on_fp32 is not None:  # budget = allocation, from here on with it
+            self._on_fp32(needed)
 
     def _allocate_fp32(self) -> None:
         for s in (self.grads, self.spare):

@@ -46,6 +46,9 @@ class DevicePart:
         self._check_host = config.check_host_memory
         self._delayed = config.delayed_update
         self.count = 0
+        # This rank's host bytes per part: owned and written here only (set by agree(), the
+        # auto move and a lazy fp32 gradient), read by the engine and the host-memory checks.
+        self.host_budget: dict[str, int] = {}
         self._pending_move = self.fraction == "auto" and dev.memory() is not None
 
     @property
@@ -101,7 +104,7 @@ class DevicePart:
 
     def agree(self) -> dict[str, int]:
         """Collective with several ranks: the largest count of any rank (a short host's);
-        returns the host budget at it."""
+        sets and returns the host budget at it."""
         self.count = self._reduce(self.count, dist.ReduceOp.MAX)
         if self.fraction != "auto" and abs(self.resolved - float(self.fraction)) > 0.05 and (
                 self.rank == 0):
@@ -109,7 +112,12 @@ class DevicePart:
                 "ZeroOffload: offload_fraction=%g runs at %.4f: the device keeps whole buckets "
                 "(%d of %d); smaller buckets (bucket_size_mb) split the state closer to it",
                 float(self.fraction), self.resolved, self.count, len(self.layout.buckets))
-        return self._budget(self.count, self.accumulate)
+        self.host_budget = self._budget(self.count, self.accumulate)
+        return self.host_budget
+
+    def fp32_allocated(self, nbytes: int) -> None:
+        """The host's lazy fp32 gradient (``nbytes``) exists from now on."""
+        self.host_budget["grad_fp32"] = nbytes
 
     def stages(self) -> list[DeviceStage]:
         """Zeroed stages of the trailing ``count`` buckets (their master filled later)."""
@@ -140,11 +148,11 @@ class DevicePart:
         return self._pending_move
 
     @torch.no_grad()
-    def move(self, host: HostBuffers, budget: dict[str, int], delayed: Any, grads: Any) -> bool:
+    def move(self, host: HostBuffers, delayed: Any, grads: Any) -> bool:
         """Collective with several ranks; between steps. Once the delayed update (``delayed``)
         and the gradient streamer (``grads``) have nothing in flight, moves the next buckets'
-        state onto the device as far as the measured peak allows, ``budget`` (the engine's host
-        bytes) following; True when it did."""
+        state onto the device as far as the measured peak allows, the host budget following;
+        True when it did."""
         delayed.join()
         grads.drain()
         self.dev.synchronize()
@@ -194,8 +202,7 @@ class DevicePart:
                 "engine cannot go on. Resume from your last checkpoint; to avoid the move, set "
                 f"offload_fraction={self.resolved:.4f} (where it was) or another number") from e
         self.count += more
-        budget.clear()
-        budget.update(self._budget(self.count, accumulating or self.accumulate))
+        self.host_budget = self._budget(self.count, accumulating or self.accumulate)
         logger.info("ZeroOffload: offload_fraction='auto' moved %d buckets onto the device; "
                     "offload_fraction is now %.4f", more, self.resolved)
         return True

@@ -64,7 +64,6 @@ class Where:
 class Owners:
     dev: SyncDevice
     part: DevicePart
-    host_budget: dict[str, int]  # this rank's host bytes per part (its one writer: ``part``)
     profile: ProfileRecorder
     weights: DeviceWeights
     host: HostBuffers
@@ -90,15 +89,16 @@ def _sizing(w: Where, dev: SyncDevice) -> dict[str, Any]:
                 moment_dtype=c.moment_dtype, accumulate=c.accumulate)
 
 
-def place(w: Where) -> tuple[SyncDevice, DevicePart, dict[str, int], list[DeviceStage]]:
-    """Stage 1. Collective with several ranks (the setup checks agree)."""
+def place(w: Where) -> tuple[SyncDevice, DevicePart, list[DeviceStage]]:
+    """Stage 1. Collective with several ranks (the setup checks agree). The device part owns
+    the host budget (``DevicePart.host_budget``, its one writer) and the device's count."""
     dev = make_device(w.device, w.group, w.config.collective_timeout_s)
     budget = budget_at(w.layout, w.module, w.trained, w.dtype, **_sizing(w, dev),
                        cpu=w.device.type == "cpu" and dev.memory() is None)
     part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget)
     ranks.start(w.layout, w.module, w.group, w.device, w.tp, part.choose, w.config)
-    host_budget = part.agree()  # a lazy fp32 gradient adds its own later
-    return dev, part, host_budget, part.stages()
+    part.agree()  # a lazy fp32 gradient adds its own later
+    return dev, part, part.stages()
 
 
 def fill(w: Where, resident: list[DeviceStage]) -> list[torch.Tensor]:
@@ -112,11 +112,11 @@ def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceW
                          w.config.delayed_update, profile)
 
 
-def host_buffers(w: Where, dev: SyncDevice, master: list[torch.Tensor], budget: dict[str, int],
+def host_buffers(w: Where, dev: SyncDevice, master: list[torch.Tensor], part: DevicePart,
                  resident: list[DeviceStage]) -> HostBuffers:
     """Stage 4."""
     return HostBuffers(w.layout, w.dtype, rank=w.rank, master=master, **_sizing(w, dev),
-                       check_memory=w.config.check_host_memory, budget=budget,
+                       check_memory=w.config.check_host_memory, on_fp32=part.fp32_allocated,
                        resident=resident)
 
 
@@ -144,14 +144,26 @@ def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
     return worker, delayed, step
 
 
+def hook(module: nn.Module, cast_inputs: Any, forward_started: Any, zero_grad: Any) -> list:
+    """The module's hooks into the engine (returned, for teardown to remove): the root's inputs
+    are cast (``cast_inputs``), every module with parameters says its forward started, and
+    ``module.zero_grad`` is ``zero_grad`` (loops that zero through the model, the transformers
+    Trainer, clear the engine's gradients too)."""
+    hooks = [module.register_forward_pre_hook(cast_inputs, with_kwargs=True)]
+    hooks += [m.register_forward_pre_hook(forward_started) for m in module.modules()
+              if m is not module and next(m.parameters(recurse=False), None) is not None]
+    module.zero_grad = zero_grad  # type: ignore[method-assign]
+    return hooks
+
+
 def build(w: Where) -> Owners:
     """Every stage, in order."""
-    dev, part, host_budget, resident = place(w)
+    dev, part, resident = place(w)
     master = fill(w, resident)
     profile = ProfileRecorder()
     weights = bind_weights(w, dev, profile)
-    host = host_buffers(w, dev, master, host_budget, resident)
+    host = host_buffers(w, dev, master, part, resident)
     del master  # the host buffers own it now
     grads = streamer(w, host, dev, profile)
     worker, delayed, step = stepper(w, dev, host, grads, weights, profile)
-    return Owners(dev, part, host_budget, profile, weights, host, grads, worker, delayed, step)
+    return Owners(dev, part, profile, weights, host, grads, worker, delayed, step)
