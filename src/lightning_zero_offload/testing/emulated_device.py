@@ -159,15 +159,15 @@ class _EmuStream:
         self.stopping = True
         self.close()
 
+    @property
+    def idle(self) -> bool:
+        return self.done >= self.queued
+
 
 @atexit.register
 def _stop_all() -> None:
     for stream in list(_EmuStream.live):
         stream.stop()
-
-    @property
-    def idle(self) -> bool:
-        return self.done >= self.queued
 
 
 class EmulatedDevice(SyncDevice):
