@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import ZeroOffload
+from lightning_zero_offload.core import rule
 
 
 def _engine(params: float, width: int = 4096) -> ZeroOffload:
@@ -95,7 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = _engine(args.params)
     host = engine._host  # noqa: SLF001  (the bytes a raw write of the state writes)
-    data = [*host.master, *host.exp_avg, *host.exp_avg_sq]
+    data = [*host.master, *(t for n in rule.STATE_NAMES for t in host.state_fp32(n))]
     nbytes = sum(t.nbytes for t in data)
     root = Path(tempfile.mkdtemp(dir=args.dir))
     paths = {k: root / k for k in ("raw", "torch.pt", "dcp", "sharded", "full.pt")}

@@ -36,7 +36,7 @@ def test_device_update_equals_the_host_kernel(decoupled: bool, grad_dtype: torch
         kept = grad.clone()
         rule.host_update(host_p, grad, host_m, hp, step=step, grad_scale=0.37, out=None,
                          threads=1, seed=0)
-        rule.device_update(dev_p, grad, m, v, hp, step=step, grad_scale=0.37)
+        rule.device_update(dev_p, grad, (m, v), hp, step=step, grad_scale=0.37)
         assert torch.equal(grad, kept), "the device rule must not change the gradient"
     torch.testing.assert_close(dev_p, host_p, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, host_m.exp_avg, rtol=1e-6, atol=1e-8)
@@ -55,7 +55,7 @@ def test_device_update_equals_torch_adamw() -> None:
     for step, grad in enumerate(grads, start=1):
         p.grad = grad * 0.5
         opt.step()
-        rule.device_update(ours, grad, m, v, hp, step=step, grad_scale=0.5)
+        rule.device_update(ours, grad, (m, v), hp, step=step, grad_scale=0.5)
     torch.testing.assert_close(ours, p.detach(), rtol=1e-6, atol=1e-7)
 
 

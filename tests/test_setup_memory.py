@@ -16,8 +16,8 @@ import torch
 from _helpers import tiny_engine
 from _tiny_gpt import make
 
-from lightning_zero_offload.core import setup as setup_mod
 from lightning_zero_offload.core import master_fill as host
+from lightning_zero_offload.core import setup as setup_mod
 
 
 def _storages(model: torch.nn.Module) -> list[weakref.ref]:

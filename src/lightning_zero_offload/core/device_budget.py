@@ -16,6 +16,7 @@ import logging
 import torch
 
 from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.placement import host_fraction
@@ -25,11 +26,14 @@ logger = logging.getLogger(__name__)
 STATE_PARTS = ("optimizer state (device)", "gradients (device)")  # the device part's, in parts()
 
 
+STATE = 4 + rule.DEVICE_STATE_BYTES  # per device-resident element: fp32 master, the rule's state
+
+
 def element_bytes(elem: int, accumulate: bool) -> int:
-    """Device bytes of one device-resident element: fp32 master and both fp32 moments (12), a
-    gradient in the compute dtype (``elem``), and an fp32 sum where the run can accumulate in a
-    half dtype (an fp32 gradient adds in place)."""
-    return 12 + elem + (4 if accumulate and elem != 4 else 0)
+    """Device bytes of one device-resident element: :data:`STATE`, a gradient in the compute
+    dtype (``elem``), and an fp32 sum where the run can accumulate in a half dtype (an fp32
+    gradient adds in place)."""
+    return STATE + elem + (4 if accumulate and elem != 4 else 0)
 
 
 def bucket_bytes(shard: int, dtype: torch.dtype, accumulate: bool) -> int:
@@ -46,8 +50,8 @@ def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, res
            "delayed: spare weights": elem * trained if delayed else 0,
            f"gradient buckets ({BUCKET_BUFFERS})": BUCKET_BUFFERS * elem * (
                max_bucket + (max_shard if world_size > 1 else 0)),
-           "optimizer state (device)": 12 * resident,
-           "gradients (device)": (element_bytes(elem, accumulate) - 12) * resident}
+           "optimizer state (device)": STATE * resident,
+           "gradients (device)": (element_bytes(elem, accumulate) - STATE) * resident}
     return {k: v for k, v in out.items() if v}
 
 

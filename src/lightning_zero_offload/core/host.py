@@ -279,15 +279,9 @@ class HostBuffers:
         if not asynchronous or accumulate:  # on the CPU the fp32 gradient is where buckets land
             self._allocate_fp32()
 
-    @property
-    def exp_avg(self) -> list[Tensor]:
-        """The fp32 first moments per group (``moment_dtype="fp32"`` only)."""
-        return [self._fp32(m).exp_avg for m in self.moments]
-
-    @property
-    def exp_avg_sq(self) -> list[Tensor]:
-        """The fp32 second moments per group (``moment_dtype="fp32"`` only)."""
-        return [self._fp32(m).exp_avg_sq for m in self.moments]
+    def state_fp32(self, name: str) -> list[Tensor]:
+        """The rule's state ``name`` per group, fp32 (``moment_dtype="fp32"`` only)."""
+        return [getattr(self._fp32(m), name) for m in self.moments]
 
     @staticmethod
     def _fp32(m: Moments) -> Moments:

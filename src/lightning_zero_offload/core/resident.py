@@ -214,6 +214,5 @@ def _take_state(stage: DeviceStage, host: HostBuffers) -> None:
     arrays alive while ``move_to_device`` makes the shorter ones."""
     master, moments = host.state(stage.b)
     stage.master.copy_(master)
-    m, v = moments.to_fp32()
-    stage.exp_avg.copy_(m)
-    stage.exp_avg_sq.copy_(v)
+    for t, value in zip(stage.state, moments.to_fp32(), strict=True):
+        t.copy_(value)

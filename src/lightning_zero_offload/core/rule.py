@@ -20,6 +20,7 @@ Another rule (Lion, Adagrad) is another module of this shape plus its kernel.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 from lightning_zero_offload.ops import Moments, fused_adamw_, moment_bytes
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")  # per-parameter state besides "step", torch's names
+DEVICE_STATE_BYTES = 4 * len(STATE_NAMES)  # per element on the device: fp32 whatever moment_dtype
 
 _UNSUPPORTED = {
     "amsgrad": "amsgrad=True",
@@ -129,11 +131,13 @@ def host_update(master: Tensor, grad: Tensor, moments: Moments, hp: Hyper, *, st
                  step=step, **moments.kernel_args(), **hp.kernel_args())
 
 
-def device_update(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, hp: Hyper,
-                  *, step: int, grad_scale: float) -> None:
+def device_update(master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Hyper, *,
+                  step: int, grad_scale: float) -> None:
     """The same step over fp32 tensors on one device by torch's fused ops. The gradient (any
     float dtype) is scaled in fp32 first, as the kernel does (``grad * grad_scale``, not torch's
-    division by a loss scale), so both round the same way; ``grad`` itself is left as it is."""
+    division by a loss scale), so both round the same way; ``grad`` itself is left as it is.
+    ``state``: fp32 tensors in the order of :data:`STATE_NAMES`."""
+    exp_avg, exp_avg_sq = state
     g = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad.mul(grad_scale)
     fused = torch.ops.aten._fused_adamw_ if hp.decoupled else torch.ops.aten._fused_adam_
     fused([master], [g], [exp_avg], [exp_avg_sq], [],

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.ops.moments import Moments
@@ -42,25 +43,24 @@ def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
     first = len(host.layout.buckets) - len(host.resident)
     if b >= first:
         stage = host.resident[b - first]
-        return getattr(stage, kind).cpu()
+        return stage.part(kind).cpu()
     master, mom = host.state(b)
     if kind == "master":
         return master
     if mom.moment_dtype == "fp32":
         return getattr(mom, kind)
-    m, v = mom.to_fp32()
-    return m if kind == "exp_avg" else v
+    return mom.to_fp32()[rule.STATE_NAMES.index(kind)]
 
 
-def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, Tensor] | None:
+def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, ...] | None:
     """Bucket ``b``'s shard of both moments as the engine's own fp32 tensors (host fp32 arrays,
     or the device part's on the CPU compute device), to write in place; else None."""
     first = len(host.layout.buckets) - len(host.resident)
     if b >= first:
         stage = host.resident[b - first]
-        return (stage.exp_avg, stage.exp_avg_sq) if stage.exp_avg.device.type == "cpu" else None
+        return tuple(stage.state) if stage.master.device.type == "cpu" else None
     mom = host.state(b)[1]
-    return (mom.exp_avg, mom.exp_avg_sq) if mom.moment_dtype == "fp32" else None
+    return tuple(getattr(mom, n) for n in rule.STATE_NAMES) if mom.moment_dtype == "fp32" else None
 
 
 def group_master(host: HostBuffers, g: int) -> Tensor:
@@ -83,7 +83,7 @@ def group_pieces(host: HostBuffers, g: int, kind: str) -> Iterator[Tensor]:
             if bucket.group == g:
                 yield bucket_fp32(host, b, kind)
     for stage in _resident(host, g):
-        yield getattr(stage, kind).cpu()
+        yield stage.part(kind).cpu()
 
 
 def group_moments(host: HostBuffers, g: int) -> Moments:
@@ -91,9 +91,9 @@ def group_moments(host: HostBuffers, g: int) -> Moments:
     mine, stages = host.moments[g], _resident(host, g)
     if saved_moment_dtype(host) == host.moment_dtype and not stages:
         return mine
-    m, v = mine.to_fp32() if mine.numel else (torch.zeros(0), torch.zeros(0))
-    return Moments("fp32", torch.cat([m, *(s.exp_avg.cpu() for s in stages)]),
-                   torch.cat([v, *(s.exp_avg_sq.cpu() for s in stages)]))
+    own = mine.to_fp32() if mine.numel else tuple(torch.zeros(0) for _ in rule.STATE_NAMES)
+    m, v = (torch.cat([x, *(s.state[i].cpu() for s in stages)]) for i, x in enumerate(own))
+    return Moments("fp32", m, v)
 
 
 @torch.no_grad()
@@ -121,9 +121,8 @@ def write_moments(host: HostBuffers, b: int, m32: Tensor, v32: Tensor) -> None:
     the stochastic rounding is the kernel's, per step)."""
     first = len(host.layout.buckets) - len(host.resident)
     if b >= first:
-        stage = host.resident[b - first]
-        stage.exp_avg.copy_(m32)
-        stage.exp_avg_sq.copy_(v32)
+        for t, value in zip(host.resident[b - first].state, (m32, v32), strict=True):
+            t.copy_(value)
         return
     bucket = host.layout.buckets[b]
     host.moments[bucket.group].chunk(bucket.host_offset, bucket.shard).copy_(

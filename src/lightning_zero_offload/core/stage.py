@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.device import Event, SyncDevice
 
 if TYPE_CHECKING:
@@ -120,7 +121,8 @@ class HostStage:
 
 
 class DeviceStage:
-    """Bucket ``b``'s shard kept on the device: its fp32 master and moments, and its reduced
+    """Bucket ``b``'s shard kept on the device: its fp32 master and the rule's state (fp32, in
+    the order of ``rule.STATE_NAMES``: :attr:`state`, :meth:`part` by name), and its reduced
     gradient (compute dtype after one flush; fp32, allocated at the first flush that adds, when
     micro-batches accumulate). Both gradient sets share it: the device part steps at once, also
     under delayed update. Every write is queued on the stream the streamer gives (after the
@@ -132,22 +134,26 @@ class DeviceStage:
         self.dev, self.b = dev, b
         made: list[Tensor] = []
         try:  # an allocation that fails frees the ones before it
-            for what, dt in (("master weights", torch.float32), ("exp_avg", torch.float32),
-                             ("exp_avg_sq", torch.float32), ("gradient", dtype)):
+            for what, dt in (("master weights", torch.float32),
+                             *((name, torch.float32) for name in rule.STATE_NAMES),
+                             ("gradient", dtype)):
                 made.append(dev.zeros(shard, dt, f"device-resident {what}"))
                 dev.track(made[-1], f"device-resident {what}")  # named by the race detector
         except BaseException:
             for t in made:
                 dev.free(t)
             raise
-        self.master, self.exp_avg, self.exp_avg_sq, self._grad = made
+        self.master, self._grad, self.state = made[0], made[-1], made[1:-1]
         self._fp32: Tensor | None = None  # the sum over flushes, where they accumulate
         self._filled: Event | None = None
         self._flushes = 0
 
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.master, self.exp_avg, self.exp_avg_sq, self._grad, self._fp32)
-                if t is not None]
+        return [t for t in (self.master, *self.state, self._grad, self._fp32) if t is not None]
+
+    def part(self, kind: str) -> Tensor:
+        """``"master"`` or one of the rule's state tensors by its name."""
+        return self.master if kind == "master" else self.state[rule.STATE_NAMES.index(kind)]
 
     def free(self) -> None:
         """Give the device memory back: nothing of it stays referenced (a gradient set, or an
@@ -155,7 +161,7 @@ class DeviceStage:
         for t in self.tensors():
             self.dev.free(t)
         empty = self.master.new_empty(0)
-        self.master = self.exp_avg = self.exp_avg_sq = self._grad = empty
+        self.master, self._grad, self.state = empty, empty, [empty for _ in self.state]
         self._fp32 = self._filled = None
 
     # -- the streamer's side -------------------------------------------------------------------

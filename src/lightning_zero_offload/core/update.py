@@ -133,8 +133,8 @@ class DeviceUpdate:
                 hp = plan.hparams[bucket.group]
                 for begin, end, k in plan.runs[b]:
                     sl = slice(begin, end)
-                    rule.device_update(stage.master[sl], sources[b][sl], stage.exp_avg[sl],
-                                       stage.exp_avg_sq[sl], hp, step=k,
+                    rule.device_update(stage.master[sl], sources[b][sl],
+                                       [t[sl] for t in stage.state], hp, step=k,
                                        grad_scale=plan.grad_scale)
                 lo, hi = bucket.shard_range(self.rank)
                 for target in targets:

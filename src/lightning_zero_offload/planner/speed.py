@@ -68,7 +68,7 @@ def measure_device_step(precision: str, numel: int = 16 * 2**20,
     hp = rule.Hyper(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, decoupled=True)
 
     def run(step: int) -> None:
-        rule.device_update(master, grad, m, v, hp, step=step, grad_scale=1.0)
+        rule.device_update(master, grad, (m, v), hp, step=step, grad_scale=1.0)
         out.copy_(master)
 
     run(1)
