@@ -28,6 +28,8 @@ Everything here is pure torch; ``_reference`` uses the same encoders, and the C+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -335,6 +337,21 @@ class Moments:
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(view, name).clone())
                 setattr(view, name, None)  # the old storage goes with its last view
+
+    @classmethod
+    def named(cls, moment_dtype: str, fields: Mapping[str, Any]) -> Moments:
+        """Moments from tensors keyed by torch's names (``exp_avg``, ``exp_avg_sq`` and, for
+        int8, ``<name>_scales``), as a checkpoint stores them: :meth:`fields` read back."""
+        return cls(moment_dtype, fields["exp_avg"], fields["exp_avg_sq"],
+                   fields.get("exp_avg_scales"), fields.get("exp_avg_sq_scales"))
+
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by torch's names (the scales only where they exist)."""
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.exp_avg_scales is not None and self.exp_avg_sq_scales is not None:
+            out["exp_avg_scales"], out["exp_avg_sq_scales"] = (self.exp_avg_scales,
+                                                               self.exp_avg_sq_scales)
+        return out
 
     def kernel_args(self) -> dict:
         """Keyword arguments of ``ops.fused_adamw_`` for these moments."""

@@ -17,7 +17,7 @@ ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compu
 host, per rank
     exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
     functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
-    master weights ``4 S`` and the moments ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``:
+    master weights ``4 S`` and the rule's state, Adam's two moments (``moment_dtype``:
     fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
     fp32 gradient ``4 S`` (as ``plan_counts`` counts it for a run that accumulates,
     ``accumulate``, or not; ``host_bytes_accumulating`` is the accumulating figure); on a GPU the

@@ -223,17 +223,17 @@ class EngineState:
                 a, k = bucket.host_offset, bucket.shard
                 master = shard_view.bucket_master(self.host, b)
                 own = shard_view.own_fp32_moments(self.host, b)  # written in place: no copy
-                m32, v32 = (own[0].zero_(), own[1].zero_()) if own else (torch.zeros(k),
-                                                                         torch.zeros(k))
+                state32 = ([t.zero_() for t in own] if own else
+                           [torch.zeros(k) for _ in rule.STATE_NAMES])
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     master[sl] = stream.made(model[slot.name]).reshape(-1)[lo:hi]
                     st = states.get(slot.index)
                     if st:
-                        m32[sl] = stream.made(st["exp_avg"]).reshape(-1)[lo:hi]
-                        v32[sl] = stream.made(st["exp_avg_sq"]).reshape(-1)[lo:hi]
+                        for t, name in zip(state32, rule.STATE_NAMES, strict=True):
+                            t[sl] = stream.made(st[name]).reshape(-1)[lo:hi]
                 if own is None:
-                    shard_view.write_moments(self.host, b, m32, v32)
+                    shard_view.write_moments(self.host, b, *state32)
                     trim()  # the conversion's temporaries, before the next bucket's
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):

@@ -1,8 +1,8 @@
 """Checkpoint formats: per-rank shards and the consolidated (torch AdamW) form.
 
 A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its moments per group
-as the engine holds them (``"moment_dtype"``: fp32, bf16, or 8-bit codes with their per-block
-``exp_avg_scales``/``exp_avg_sq_scales``; format ``/1`` shards are fp32), step counts per group
+as the engine holds them, by the rule's names (``"moment_dtype"``: fp32, bf16, or 8-bit codes
+with a ``<name>_scales`` per block; format ``/1`` shards are fp32), step counts per group
 and per parameter (``"param_steps"``, in layout order; before format ``/3`` the group's),
 hyperparameters, the loss scaler and the layout that produced it. The layout lets
 :func:`consolidate` rebuild the full, world-size-independent form from all shards: a fp32 model
@@ -50,17 +50,12 @@ def param_steps(shard: dict) -> list[int]:
 
 def group_moments(shard: dict, g: int) -> Moments:
     """Group ``g``'s saved moments as ``ops.Moments`` (views of the shard's tensors)."""
-    grp = shard["groups"][g]
-    return Moments(shard_moment_dtype(shard), grp["exp_avg"], grp["exp_avg_sq"],
-                   grp.get("exp_avg_scales"), grp.get("exp_avg_sq_scales"))
+    return Moments.named(shard_moment_dtype(shard), shard["groups"][g])
 
 
 def moments_fields(mom: Moments) -> dict[str, Tensor]:
     """The tensors a shard group stores for ``mom`` (the inverse of :func:`group_moments`)."""
-    out = {"exp_avg": mom.exp_avg, "exp_avg_sq": mom.exp_avg_sq}
-    if mom.exp_avg_scales is not None and mom.exp_avg_sq_scales is not None:
-        out["exp_avg_scales"], out["exp_avg_sq_scales"] = mom.exp_avg_scales, mom.exp_avg_sq_scales
-    return out
+    return mom.fields()
 
 
 def consolidate(shards: list[dict]) -> dict:
@@ -93,8 +88,9 @@ def consolidate(shards: list[dict]) -> dict:
             sl = slice(start + r * size, start + (r + 1) * size)
             flats["master"][g][sl] = by_rank[r]["groups"][g]["master"][host : host + size]
             # Compact moments are dequantized bucket shard by bucket shard (block-aligned).
-            m, v = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
-            flats["exp_avg"][g][sl], flats["exp_avg_sq"][g][sl] = m, v
+            state = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
+            for name, x in zip(rule.STATE_NAMES, state, strict=True):
+                flats[name][g][sl] = x
     return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"])
 
 
@@ -102,20 +98,17 @@ def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
              hparams: list[dict]) -> dict:
     """Full state from full flat fp32 buffers per group (``flats[key][group]``) and the steps
     per parameter (layout order; a parameter that never had a gradient gets no state, as in
-    torch); without ``"master"`` the model is empty, without ``"exp_avg"``/``"exp_avg_sq"`` the
-    optimizer state."""
+    torch); without ``"master"`` the model is empty, without the rule's state
+    (``rule.STATE_NAMES``) the optimizer state."""
     model: dict[str, Tensor] = {}
     state: dict[int, dict] = {}
     for (name, g, index, offset, numel, shape), step in zip(desc["params"], steps, strict=True):
         sl = slice(offset, offset + numel)
         if "master" in flats:
             model[name] = flats["master"][g][sl].view(shape).clone()
-        if step > 0 and "exp_avg" in flats:
-            state[index] = {
-                "step": torch.tensor(float(step)),
-                "exp_avg": flats["exp_avg"][g][sl].view(shape).clone(),
-                "exp_avg_sq": flats["exp_avg_sq"][g][sl].view(shape).clone(),
-            }
+        if step > 0 and rule.STATE_NAMES[0] in flats:
+            state[index] = {"step": torch.tensor(float(step)), **{
+                n: flats[n][g][sl].view(shape).clone() for n in rule.STATE_NAMES}}
     param_groups, index = [], 0
     for hp, size in zip(hparams, desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(index, index + size))})

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.checkpoint.formats import (
     MOMENT_STORAGE,
     SHARD_FORMATS,
@@ -75,10 +76,11 @@ def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
         raise CheckpointError(f"{who}: param_steps is not one step count per parameter (corrupt "
                               "shard?); use another checkpoint")
     for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
-        want = {"master": (n, torch.float32), "exp_avg": (n, MOMENT_STORAGE[md]),
-                "exp_avg_sq": (n, MOMENT_STORAGE[md])}
+        want = {"master": (n, torch.float32),
+                **{name: (n, MOMENT_STORAGE[md]) for name in rule.STATE_NAMES}}
         if md == "int8":
-            want["exp_avg_scales"] = want["exp_avg_sq_scales"] = (num_blocks(n), torch.float32)
+            want.update({f"{name}_scales": (num_blocks(n), torch.float32)
+                         for name in rule.STATE_NAMES})
         for key, (numel, dtype) in want.items():
             t = grp.get(key)
             if not isinstance(t, Tensor) or t.numel() != numel or t.dtype != dtype:
@@ -171,7 +173,8 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
         )
     for slot in engine.layout.slots:
         st = opt["state"].get(slot.index)
-        if st is not None and tuple(st["exp_avg"].shape) != tuple(slot.param.shape):
+        if st is not None and any(tuple(st[n].shape) != tuple(slot.param.shape)
+                                  for n in rule.STATE_NAMES):
             raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
                                   f"{slot.name!r} has the wrong shape")
     return model, opt
