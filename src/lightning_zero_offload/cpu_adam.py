@@ -1,13 +1,13 @@
 """``CPUAdam``: a drop-in ``torch.optim.AdamW`` / ``Adam`` for CPU fp32 tensors on the fused kernel.
 
 Param groups and state use torch's AdamW format (group keys such as ``decoupled_weight_decay``;
-per-parameter ``step`` as a float32 scalar tensor, ``exp_avg``, ``exp_avg_sq``), so with the
-default ``moment_dtype="fp32"`` a state dict moves between ``CPUAdam`` and ``torch.optim.AdamW``
-in both directions.
+per-parameter ``step`` as a float32 scalar tensor and the two moments by torch's names,
+``core.rule.STATE_NAMES``), so with the default ``moment_dtype="fp32"`` a state dict moves
+between ``CPUAdam`` and ``torch.optim.AdamW`` in both directions.
 
 Compact moments (``moment_dtype="bf16"`` or ``"int8"``, see ``lightning_zero_offload.ops.moments``)
 are kept and saved as they are: ``state_dict()`` holds bf16 moments, or uint8 codes plus
-``exp_avg_scales``/``exp_avg_sq_scales`` per parameter (small checkpoints, exact resume).
+a ``<moment>_scales`` tensor each per parameter (small checkpoints, exact resume).
 ``torch_state_dict()`` gives the ``torch.optim.AdamW`` form (moments dequantized to fp32).
 ``load_state_dict`` takes either form, from any ``moment_dtype``, and converts the moments to this
 optimizer's format (to bf16/int8 by rounding to nearest), so the format can change between save
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_zero_offload.core.rule import STATE_NAMES as _NAMES  # torch's, in order
 from lightning_zero_offload.ops import BLOCK, MOMENT_DTYPES, Moments, fused_adamw_
 
 __all__ = ["CPUAdam"]
@@ -149,7 +150,7 @@ class CPUAdam(torch.optim.Optimizer):
         moments are converted to this optimizer's ``moment_dtype``."""
         super().load_state_dict(state_dict)
         for state in self.state.values():
-            if "exp_avg" in state:
+            if _NAMES[0] in state:
                 _convert(state, self.moment_dtype)
 
     def torch_state_dict(self) -> dict[str, Any]:
@@ -158,58 +159,53 @@ class CPUAdam(torch.optim.Optimizer):
         sd = self.state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, state in sd["state"].items():
-            if "exp_avg" in state and (_format(state) != "fp32"):
-                m, v = _moments(state).to_fp32()
+            if _NAMES[0] in state and (_format(state) != "fp32"):
                 shape = params[idx].shape
-                sd["state"][idx] = {"step": state["step"], "exp_avg": m.view(shape),
-                                    "exp_avg_sq": v.view(shape)}
+                sd["state"][idx] = {"step": state["step"], **{
+                    n: x.view(shape) for n, x in zip(_NAMES, _moments(state).to_fp32(),
+                                                     strict=True)}}
         return sd
 
 
+def _scales(name: str) -> str:
+    return f"{name}_scales"
+
+
 def _format(state: dict[str, Any]) -> str:
-    if "exp_avg_scales" in state:
+    if _scales(_NAMES[0]) in state:
         return "int8"
-    return "bf16" if state["exp_avg"].dtype == torch.bfloat16 else "fp32"
+    return "bf16" if state[_NAMES[0]].dtype == torch.bfloat16 else "fp32"
 
 
 def _moments(state: dict[str, Any]) -> Moments:
     fmt = _format(state)
-    m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
-    if fmt != "int8":
-        return Moments(fmt, m, v)
-    # torch's load_state_dict casts every state tensor to the parameter's dtype: codes come back
-    # as exact small floats
-    return Moments("int8", m.to(torch.uint8), v.to(torch.uint8),
-                   state["exp_avg_scales"].float().reshape(-1),
-                   state["exp_avg_sq_scales"].float().reshape(-1))
+    flat = {n: state[n].reshape(-1) for n in _NAMES}
+    if fmt == "int8":
+        # torch's load_state_dict casts every state tensor to the parameter's dtype: codes come
+        # back as exact small floats
+        flat = {n: t.to(torch.uint8) for n, t in flat.items()}
+        flat.update({_scales(n): state[_scales(n)].float().reshape(-1) for n in _NAMES})
+    return Moments.named(fmt, flat)
 
 
 def _put(state: dict[str, Any], mom: Moments, p: torch.Tensor) -> None:
-    state["exp_avg"] = mom.exp_avg.view(p.shape)
-    state["exp_avg_sq"] = mom.exp_avg_sq.view(p.shape)
-    state.pop("exp_avg_scales", None)
-    state.pop("exp_avg_sq_scales", None)
-    if mom.exp_avg_scales is not None:
-        state["exp_avg_scales"] = mom.exp_avg_scales
-        state["exp_avg_sq_scales"] = mom.exp_avg_sq_scales
+    for n in _NAMES:
+        state.pop(_scales(n), None)
+    for key, t in mom.fields().items():
+        state[key] = t if key.endswith("_scales") else t.view(p.shape)
 
 
 def _convert(state: dict[str, Any], moment_dtype: str) -> None:
-    p_like = state["exp_avg"]
+    p_like = state[_NAMES[0]]
     mom = _moments(state)
     if mom.moment_dtype != moment_dtype:
         # fp32 may be a bf16 state that torch's loader widened: narrowing it again is exact
-        m, v = mom.to_fp32()
-        mom = Moments.from_fp32(m, v, moment_dtype)
+        mom = Moments.from_fp32(*mom.to_fp32(), moment_dtype)
     _put(state, mom, p_like)
 
 
 def _moment_args(state: dict[str, Any]) -> dict[str, Any]:
-    args = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-    if "exp_avg_scales" in state:
-        args["exp_avg_scales"] = state["exp_avg_scales"]
-        args["exp_avg_sq_scales"] = state["exp_avg_sq_scales"]
-    return args
+    return {k: state[k] for n in _NAMES for k in (n, _scales(n)) if k in state}
 
 
 def _check_param(p: torch.Tensor) -> None:

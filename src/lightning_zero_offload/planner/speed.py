@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 
+from lightning_zero_offload.core.device_budget import STATE
+
 
 def device_step_bytes(h: int) -> int:
-    """Device memory traffic of one device-resident element's AdamW step: the fp32 master and
-    both fp32 moments read and written (24), the gradient read and the half weights written in
-    the compute dtype (``h`` each)."""
-    return 24 + 2 * h
+    """Device memory traffic of one device-resident element's step: the fp32 master and the
+    rule's fp32 state read and written (``2 * device_budget.STATE``: 24 for Adam), the gradient
+    read and the half weights written in the compute dtype (``h`` each)."""
+    return 2 * STATE + 2 * h
 
 
 def measure_kernel(precision: str, threads: int, seconds: float = 0.2,
