@@ -23,10 +23,8 @@ from lightning_zero_offload.core.placement import host_fraction
 
 logger = logging.getLogger(__name__)
 
-STATE_PARTS = ("optimizer state (device)", "gradients (device)")  # the device part's, in parts()
-
-
 STATE = 4 + rule.DEVICE_STATE_BYTES  # per device-resident element: fp32 master, the rule's state
+STATE_PARTS = ("optimizer state (device)", "gradients (device)")  # the device part's, in parts()
 
 
 def element_bytes(elem: int, accumulate: bool) -> int:
