@@ -56,6 +56,12 @@ class DevicePart:
         """Host elements over all trained elements (``ZeroOffload.offload_fraction``)."""
         return placement.host_fraction(self.layout, self.count)
 
+    @property
+    def may_accumulate(self) -> bool:
+        """Whether the run can accumulate (an undeclared one may): the device part's fp32
+        gradient sum is budgeted then."""
+        return self.accumulate is not False
+
     def choose(self) -> None:
         """Setup, local, before any allocation: the count for this rank, then the host-memory
         check (MemoryError when it, a fixed fraction's device part, or the part the host cannot
@@ -66,8 +72,7 @@ class DevicePart:
                               ranks.process_rank())
 
     def _choose(self) -> int:
-        # Whether the run can accumulate: an undeclared one may, so its fp32 sum is counted.
-        free, accumulate = self.dev.free_memory(), self.accumulate is not False
+        free, accumulate = self.dev.free_memory(), self.may_accumulate
         available = psutil.virtual_memory().available
 
         def host_fits(n: int) -> bool:
@@ -166,7 +171,7 @@ class DevicePart:
         n_host, more = len(self.layout.buckets) - self.count, 0
         for b in range(n_host - 1, -1, -1):
             need = device_budget.bucket_bytes(self.layout.buckets[b].shard, self.dtype,
-                                              accumulating or self.accumulate is not False)
+                                              accumulating or self.may_accumulate)
             if need > room:
                 break
             room -= need

@@ -15,6 +15,7 @@ Before them, :func:`lay_out` cuts the trained parameters into buckets and shards
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ class Where:
     tp: Any  # core.tensor_parallel.TensorParallel or None
     decoupled: bool  # AdamW's decoupled weight decay (else Adam's L2)
 
-    @property
+    @functools.cached_property
     def trained(self) -> dict[int, str]:
         """id of each trained parameter -> its state_dict name."""
         return {id(s.param): s.name for s in self.layout.slots}
