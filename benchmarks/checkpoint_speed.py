@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import ZeroOffload
-from lightning_zero_offload.core import rule
 
 
 def _engine(params: float, width: int = 4096) -> ZeroOffload:
@@ -96,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     engine = _engine(args.params)
     host = engine._host  # noqa: SLF001  (the bytes a raw write of the state writes)
-    data = [*host.master, *(t for n in rule.STATE_NAMES for t in host.state_fp32(n))]
+    data = [*host.master, *(t for n in host.rule.STATE for t in host.state_fp32(n))]
     nbytes = sum(t.nbytes for t in data)
     root = Path(tempfile.mkdtemp(dir=args.dir))
     paths = {k: root / k for k in ("raw", "torch.pt", "dcp", "sharded", "full.pt")}

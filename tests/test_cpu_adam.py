@@ -263,7 +263,7 @@ def test_switching_moment_dtype_between_save_and_resume() -> None:
     for p in model.parameters():
         st = opt8.state[p]
         m, v = Moments("int8", st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1),
-                       st["exp_avg_scales"], st["exp_avg_sq_scales"]).to_fp32()
+                       scales=(st["exp_avg_scales"], st["exp_avg_sq_scales"])).to_fp32()
         assert torch.equal(torch_opt.state[p]["exp_avg"], m.view(p.shape))
         assert torch.equal(torch_opt.state[p]["exp_avg_sq"], v.view(p.shape))
         assert torch_opt.state[p]["step"].item() == 7

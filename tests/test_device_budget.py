@@ -144,9 +144,10 @@ def test_the_planner_marks_a_fraction_inside_the_headroom():
 def test_the_planner_counts_the_engines_device_allocations():
     """The planner's device bytes for the tiny GPT's sizes are the engine's own count."""
     from lightning_zero_offload.core import device_budget
+    from lightning_zero_offload.core.adam import Adam
 
     engine = tiny_engine(precision="bf16-mixed", offload_fraction=1.0)
-    got = device_budget.engine_parts(engine.layout, 0, torch.bfloat16, delayed=False,
+    got = device_budget.engine_parts(engine.layout, 0, torch.bfloat16, delayed=False, rule=Adam,
                                      accumulate=False)
     bucket = max(b.numel for b in engine.layout.buckets)
     assert got == {"weights": 2 * _weights(engine), "gradient buckets (3)": 3 * 2 * bucket}

@@ -21,6 +21,7 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffloadConfig, testing
 from lightning_zero_offload.core import device_budget, placement
+from lightning_zero_offload.core.adam import Adam
 
 STEPS = 6
 
@@ -194,6 +195,7 @@ from torch import nn
 import lightning_zero_offload as zo
 from lightning_zero_offload import testing
 from lightning_zero_offload.core import device_budget
+from lightning_zero_offload.core.adam import Adam
 from lightning_zero_offload.core.host import HostBuffers
 
 def status(key):
@@ -205,7 +207,7 @@ with testing.emulated_async_device(seed=1, memory_bytes=1 << 40) as made:
     engine = zo.ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true",
                             bucket_size_mb=4)
 shards = [b.shard for b in engine.layout.buckets]
-need = sum(device_budget.bucket_bytes(s, torch.float32, False) for s in shards[-4:])
+need = sum(device_budget.bucket_bytes(s, torch.float32, False, Adam) for s in shards[-4:])
 made[0].memory = lambda: (0, int(need / 0.8) + 1)  # room for the last 4 buckets' state
 real, seen = HostBuffers.move_to_device, {}
 
@@ -365,7 +367,7 @@ def test_the_planner_counts_the_device_part_as_the_engine_allocates_it():
     k = split.device_buckets(shards, 0.5)
     assert k == on_device(engine) and 0 < k < len(shards)
     held = sum(t.numel() * t.element_size() for s in engine._host.resident for t in s.tensors())
-    assert held == device_budget.state_bytes(engine.layout, k, torch.bfloat16, True)
+    assert held == device_budget.state_bytes(engine.layout, k, torch.bfloat16, True, Adam)
     assert split.host_fraction(shards, k) == engine.offload_fraction
 
 

@@ -600,14 +600,14 @@ def test_small_figures_show_their_unit(capsys):
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "int8"])
 def test_the_plan_says_what_an_asynchronous_save_copies_and_whether_it_fits(moment_dtype):
-    from lightning_zero_offload.core import rule
+    from lightning_zero_offload.core.adam import Adam
 
     n = 10**9
     kw = dict(precision="bf16-mixed", device="cuda", device_memory="80GiB", measure=False,
               moment_dtype=moment_dtype, offload_fraction=1.0, world_size=2, host_reserve=0)
     base = plan(n, host_memory="1TiB", **kw)
     shard = -(-base.trainable_params // 2)
-    assert base.async_copy_sharded == 4 * shard + rule.state_bytes(shard, moment_dtype)
+    assert base.async_copy_sharded == 4 * shard + Adam.host_bytes(shard, moment_dtype)
     assert base.async_copy_consolidated == 12 * base.trainable_params  # fp32 master and moments
     run = base.host_bytes_per_node
     just = plan(n, host_memory=run + 2 * base.async_copy_sharded, **kw)  # the shards' copies fit

@@ -1,4 +1,4 @@
-"""The update rule (core.rule): its two implementations agree with each other and with torch."""
+"""The Adam rule (core.adam): its two implementations agree with each other and with torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero_offload.core import rule
+from lightning_zero_offload.core.adam import Adam, Hyper
 from lightning_zero_offload.ops import Moments
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lightning_zero_offload"
@@ -28,15 +28,15 @@ def test_device_update_equals_the_host_kernel(decoupled: bool, grad_dtype: torch
     (torch's fused ops) and the host kernel stay within fp32 rounding of each other."""
     n = 4099  # not a multiple of any SIMD width
     master, grads = _case(n, grad_dtype)
-    hp = rule.Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+    hp = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
     host_p, dev_p = master.clone(), master.clone()
     host_m = Moments.zeros(n, "fp32")
     m, v = torch.zeros(n), torch.zeros(n)
     for step, grad in enumerate(grads, start=1):
         kept = grad.clone()
-        rule.host_update(host_p, grad, host_m, hp, step=step, grad_scale=0.37, out=None,
-                         threads=1, seed=0)
-        rule.device_update(dev_p, grad, (m, v), hp, step=step, grad_scale=0.37)
+        Adam().host_update(host_p, grad, host_m, hp, step=step, grad_scale=0.37, out=None,
+                           threads=1, seed=0)
+        Adam().device_update(dev_p, grad, (m, v), hp, step=step, grad_scale=0.37)
         assert torch.equal(grad, kept), "the device rule must not change the gradient"
     torch.testing.assert_close(dev_p, host_p, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, host_m.exp_avg, rtol=1e-6, atol=1e-8)
@@ -50,29 +50,29 @@ def test_device_update_equals_torch_adamw() -> None:
     master, grads = _case(n, torch.float32, seed=1)
     p = torch.nn.Parameter(master.clone())
     opt = torch.optim.AdamW([p], lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
-    hp = rule.hyper(opt.param_groups[0], decoupled=True)
+    hp = Adam(decoupled=True).hyper(opt.param_groups[0])
     ours, m, v = master.clone(), torch.zeros(n), torch.zeros(n)
     for step, grad in enumerate(grads, start=1):
         p.grad = grad * 0.5
         opt.step()
-        rule.device_update(ours, grad, (m, v), hp, step=step, grad_scale=0.5)
+        Adam().device_update(ours, grad, (m, v), hp, step=step, grad_scale=0.5)
     torch.testing.assert_close(ours, p.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_hyper_reads_a_group_and_adam_may_ask_for_decoupled_decay() -> None:
     group = {"lr": 1, "betas": [0.5, 0.6], "eps": 0, "weight_decay": 2,
              "decoupled_weight_decay": True}
-    assert rule.hyper(group, decoupled=False) == rule.Hyper(1.0, (0.5, 0.6), 0.0, 2.0, True)
-    assert rule.hyper({**group, "decoupled_weight_decay": False}, False).decoupled is False
+    assert Adam(decoupled=False).hyper(group) == Hyper(1.0, (0.5, 0.6), 0.0, 2.0, True)
+    assert Adam(False).hyper({**group, "decoupled_weight_decay": False}).decoupled is False
 
 
 def test_check_hparams_names_the_group_and_changes_nothing() -> None:
     good = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-    rule.check_hparams([good])
+    Adam().check_hparams([good])
     with pytest.raises(ValueError, match=r"param group 1 has lr=-1\.0"):
-        rule.check_hparams([good, {**good, "lr": -1}])
+        Adam().check_hparams([good, {**good, "lr": -1}])
     with pytest.raises(ValueError, match="param group 0 now uses amsgrad=True"):
-        rule.check_hparams([{**good, "amsgrad": True}])
+        Adam().check_hparams([{**good, "amsgrad": True}])
 
 
 def test_the_state_names_are_torchs() -> None:
@@ -80,8 +80,8 @@ def test_the_state_names_are_torchs() -> None:
     opt = torch.optim.AdamW([p])
     p.grad = torch.ones(3)
     opt.step()
-    assert set(opt.state_dict()["state"][0]) == {"step", *rule.STATE_NAMES}
-    assert rule.state_bytes(256, "fp32") == 8 * 256
+    assert set(opt.state_dict()["state"][0]) == {"step", *Adam.STATE}
+    assert Adam.host_bytes(256, "fp32") == 8 * 256
 
 
 def _package_imports(path: Path) -> set[str]:

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero_offload.core import rule
+from lightning_zero_offload.core import rules
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
+from lightning_zero_offload.core.rule import Rule
 
 
 def engine_config(config: ZeroOffloadConfig | None, overrides: dict) -> ZeroOffloadConfig:
@@ -71,12 +72,12 @@ def rank_and_world(group: object | None) -> tuple[int, int]:
     return 0, 1
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Validate the user's optimizer; return whether weight decay is decoupled (AdamW). The one
-    optimizer check of the engine and every adapter (what the rule takes: ``core.rule``)."""
+def check_optimizer(optimizer: torch.optim.Optimizer) -> Rule:
+    """Validate the user's optimizer; return its update rule. The one optimizer check of the
+    engine and every adapter (which optimizers the rules take: ``core.rules``)."""
     if isinstance(optimizer, OffloadOptimizer):
         raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
-    return rule.check_optimizer(optimizer)
+    return rules.rule_for(optimizer)
 
 
 def check_params(module: nn.Module, optimizer: torch.optim.Optimizer

@@ -4,7 +4,8 @@ The setup check of a fixed ``offload_fraction`` (and the smallest fraction its e
 ``"auto"`` at setup and the planner (``lzo-plan``) all count with :func:`parts`: the flat device
 weights (a spare set under delayed update), the gradient streamer's ring (``core.ring``:
 :data:`BUCKET_BUFFERS` slots of the largest bucket and, with several ranks, of its largest
-shard) and the device part's state, per element (:func:`element_bytes`). What is not the
+shard) and the device part's state, per element (:func:`element_bytes`: the fp32 master and
+the update rule's state). What is not the
 engine's (activations, the CUDA context, the model's frozen weights) is what
 ``device_memory_headroom`` keeps free.
 """
@@ -16,31 +17,35 @@ import logging
 import torch
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.placement import host_fraction
+from lightning_zero_offload.core.rule import Rule
 
 logger = logging.getLogger(__name__)
 
-STATE = 4 + rule.DEVICE_STATE_BYTES  # per device-resident element: fp32 master, the rule's state
 STATE_PARTS = ("optimizer state (device)", "gradients (device)")  # the device part's, in parts()
 
 
-def element_bytes(elem: int, accumulate: bool) -> int:
-    """Device bytes of one device-resident element: :data:`STATE`, a gradient in the compute
+def state(rule: type[Rule]) -> int:
+    """Device bytes of one device-resident element's state: the fp32 master, the rule's."""
+    return 4 + rule.device_bytes()
+
+
+def element_bytes(elem: int, accumulate: bool, rule: type[Rule]) -> int:
+    """Device bytes of one device-resident element: :func:`state`, a gradient in the compute
     dtype (``elem``), and an fp32 sum where the run can accumulate in a half dtype (an fp32
     gradient adds in place)."""
-    return STATE + elem + (4 if accumulate and elem != 4 else 0)
+    return state(rule) + elem + (4 if accumulate and elem != 4 else 0)
 
 
-def bucket_bytes(shard: int, dtype: torch.dtype, accumulate: bool) -> int:
+def bucket_bytes(shard: int, dtype: torch.dtype, accumulate: bool, rule: type[Rule]) -> int:
     """Device bytes of one device-resident bucket shard (:func:`element_bytes` each)."""
-    return shard * element_bytes(torch.empty((), dtype=dtype).element_size(), accumulate)
+    return shard * element_bytes(torch.empty((), dtype=dtype).element_size(), accumulate, rule)
 
 
 def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, resident: int,
-          elem: int, delayed: bool, accumulate: bool) -> dict[str, int]:
+          elem: int, delayed: bool, accumulate: bool, rule: type[Rule]) -> dict[str, int]:
     """Device bytes per part (none zero) of ``trained`` elements in ``elem``-byte weights,
     buckets of at most ``max_bucket`` elements (shards of ``max_shard``), ``resident`` of this
     rank's shard elements on the device; ``accumulate``: whether the run can accumulate."""
@@ -48,13 +53,13 @@ def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, res
            "delayed: spare weights": elem * trained if delayed else 0,
            f"gradient buckets ({BUCKET_BUFFERS})": BUCKET_BUFFERS * elem * (
                max_bucket + (max_shard if world_size > 1 else 0)),
-           "optimizer state (device)": STATE * resident,
-           "gradients (device)": (element_bytes(elem, accumulate) - STATE) * resident}
+           "optimizer state (device)": state(rule) * resident,
+           "gradients (device)": (element_bytes(elem, accumulate, rule) - state(rule)) * resident}
     return {k: v for k, v in out.items() if v}
 
 
 def engine_parts(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
-                 accumulate: bool) -> dict[str, int]:
+                 accumulate: bool, rule: type[Rule]) -> dict[str, int]:
     """:func:`parts` of an engine over ``layout`` with its last ``on_device`` buckets' state on
     the device."""
     buckets = layout.buckets
@@ -65,13 +70,14 @@ def engine_parts(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed:
                  resident=sum(b.shard for b in buckets[len(buckets) - on_device:]
                               if on_device),
                  elem=torch.empty((), dtype=dtype).element_size(), delayed=delayed,
-                 accumulate=accumulate)
+                 accumulate=accumulate, rule=rule)
 
 
-def state_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: bool) -> int:
+def state_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: bool,
+                rule: type[Rule]) -> int:
     """Device bytes of the trailing ``on_device`` buckets' state (:func:`bucket_bytes`)."""
     n = len(layout.buckets)
-    return sum(bucket_bytes(b.shard, dtype, accumulate)
+    return sum(bucket_bytes(b.shard, dtype, accumulate, rule)
                for b in layout.buckets[n - on_device:] if on_device)
 
 
@@ -81,7 +87,7 @@ def _listed(p: dict[str, int]) -> str:
 
 def check_fixed(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
                 accumulate: bool, free: int | None, capacity: int | None, headroom: float,
-                fraction: float, rank: int) -> None:
+                fraction: float, rank: int, rule: type[Rule]) -> None:
     """Setup, before any allocation, a fixed ``offload_fraction``: everything the engine will
     allocate on the device fits in its ``free`` bytes (None: no memory of its own), else
     MemoryError naming the smallest fraction that does; a device part that leaves less than
@@ -90,7 +96,7 @@ def check_fixed(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: 
         return
 
     def at(n: int) -> dict[str, int]:
-        return engine_parts(layout, n, dtype, delayed=delayed, accumulate=accumulate)
+        return engine_parts(layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule)
     total = sum(at(on_device).values())
     if total > free:
         fits = next((n for n in range(on_device, -1, -1) if sum(at(n).values()) <= free), None)

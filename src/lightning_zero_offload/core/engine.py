@@ -46,7 +46,7 @@ class ZeroOffload:
         self._release_group = weakref.finalize(self, collectives.release_group,
                                                self.process_group, process_group)
         self._release_group.atexit = False
-        self.decoupled = checks.check_optimizer(optimizer)
+        self.rule = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
         owner = _ENGINES[module]() if module in _ENGINES else None
         if owner is not None and not owner.torn_down:
@@ -65,7 +65,7 @@ class ZeroOffload:
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
                pinned: bool) -> None:
         o = setup.build(setup.Where(self.layout, module, self.config, dtype, pinned, self.rank,
-                                    self.process_group, self.device, self.tp, self.decoupled))
+                                    self.process_group, self.device, self.tp, self.rule))
         self._dev, self._part, self._profile = o.dev, o.part, o.profile
         self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
         self._worker, self._delayed, self._stepper = o.worker, o.delayed, o.stepper

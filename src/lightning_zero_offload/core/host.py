@@ -24,19 +24,18 @@ check; False refuses such a backward.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.device_budget import state_bytes
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.placement import host_numel
 from lightning_zero_offload.core.preflight import check_lazy_fp32
+from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.stage import DeviceStage, HostStage
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 from lightning_zero_offload.ops.moments import Moments
@@ -96,7 +95,8 @@ class Sizes:
 
 
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
-         pinned: bool, moment_dtype: str = "fp32", accumulate: bool | None = False,
+         pinned: bool, rule: type[Rule], moment_dtype: str = "fp32",
+         accumulate: bool | None = False,
          on_device: int = 0) -> Sizes:
     """Sizes of :class:`HostBuffers` built with the same arguments (see the module docstring;
     ``accumulate=None`` counts the run that does not accumulate; the trailing ``on_device``
@@ -105,15 +105,15 @@ def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: boo
     return plan_counts(host_numel(layout, on_device), [b.shard for b in layout.buckets[:n_host]],
                        dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
-                       moment_dtype=moment_dtype, accumulate=accumulate is True)
+                       rule=rule, moment_dtype=moment_dtype, accumulate=accumulate is True)
 
 
 def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
-                asynchronous: bool, delayed: bool, pinned: bool, moment_dtype: str = "fp32",
-                accumulate: bool = False) -> Sizes:
+                asynchronous: bool, delayed: bool, pinned: bool, rule: type[Rule],
+                moment_dtype: str = "fp32", accumulate: bool = False) -> Sizes:
     """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
-    this rank's elements per group and per bucket. ``"moments"`` is both moments with their
-    scales, exactly as ``ops.Moments.zeros`` allocates them per group; ``"grad_fp32"`` the fp32
+    this rank's elements per group and per bucket. ``"moments"`` is the rule's state with its
+    scales, exactly as ``rule.zeros`` allocates it per group; ``"grad_fp32"`` the fp32
     gradient of every set (on an asynchronous device only when ``accumulate``: the run adds
     several backward passes per step); ``"staging"`` the half gradient staging of every set,
     which also carries the new weights to the device (the kernel writes them over the gradient
@@ -121,7 +121,7 @@ def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     sets = 2 if delayed else 1
     parts = {"master": 4 * n,
-             "moments": sum(rule.state_bytes(k, moment_dtype) for k in group_shards),
+             "moments": sum(rule.host_bytes(k, moment_dtype) for k in group_shards),
              "grad_fp32": 4 * n * sets if accumulate or not asynchronous else 0}
     if pinned and dtype == torch.float32:  # "32-true" on CUDA: the master is the pinned source
         parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
@@ -158,8 +158,8 @@ def budget(sizes: Sizes, device_numel: int, max_bucket_numel: int, dtype: torch.
 
 
 def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained: dict[int, str],
-                  dtype: torch.dtype, *, cpu: bool, delayed: bool, on_device: int = 0,
-                  accumulate: bool | None = False) -> Sizes:
+                  dtype: torch.dtype, *, cpu: bool, delayed: bool, rule: type[Rule],
+                  on_device: int = 0, accumulate: bool | None = False) -> Sizes:
     """:func:`budget` for an engine over ``module`` (``trained``: its managed parameters;
     ``on_device``: trailing buckets whose state is on the device, host memory too on the CPU)."""
     out = budget(sizes, sum(layout.group_numel),
@@ -168,7 +168,8 @@ def engine_budget(sizes: Sizes, layout: Layout, module: torch.nn.Module, trained
                  untrained_bytes=untrained_bytes(module, trained, dtype),
                  buckets_in_flight=BUCKET_BUFFERS)  # on the CPU, host memory too
     if cpu and on_device:
-        out.parts["device_state"] = state_bytes(layout, on_device, dtype, accumulate is not False)
+        out.parts["device_state"] = state_bytes(layout, on_device, dtype, accumulate is not False,
+                                                rule)
     return out
 
 
@@ -181,6 +182,7 @@ def budget_at(layout: Layout, module: torch.nn.Module, trained: dict[int, str],
                      on_device=on_device)
         return engine_budget(sizes, layout, module, trained, dtype, cpu=cpu,
                              delayed=bool(kw["delayed"]), on_device=on_device,
+                             rule=kw["rule"],  # type: ignore[arg-type]
                              accumulate=accumulate).parts
     return at
 
@@ -251,12 +253,13 @@ class HostBuffers:
     """This rank's host state; the only place that allocates host buffers of the shard's size."""
 
     def __init__(self, layout: Layout, dtype: torch.dtype, *, asynchronous: bool,
-                 delayed: bool, pinned: bool, moment_dtype: str = "fp32", rank: int = 0,
+                 delayed: bool, pinned: bool, rule: type[Rule], moment_dtype: str = "fp32",
+                 rank: int = 0,
                  accumulate: bool | None = False, check_memory: bool = False,
                  master: list[Tensor] | None = None,
                  on_fp32: Callable[[int], None] | None = None,
                  resident: list[DeviceStage] | None = None) -> None:
-        self.layout, self.moment_dtype = layout, moment_dtype
+        self.layout, self.moment_dtype, self.rule = layout, moment_dtype, rule
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
         self._on_fp32 = on_fp32  # told the bytes of a lazy fp32 gradient (the budget's owner)
         self._args = (dtype, asynchronous, pinned)
@@ -264,10 +267,11 @@ class HostBuffers:
         half = dtype != torch.float32
         n = host_numel(layout, len(resident))
         self.sizes = plan(layout, dtype, asynchronous=asynchronous, delayed=delayed,
-                          pinned=pinned, moment_dtype=moment_dtype, accumulate=accumulate,
+                          pinned=pinned, rule=rule, moment_dtype=moment_dtype,
+                          accumulate=accumulate,
                           on_device=len(resident))
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
-        self.moments = [Moments.zeros(k, moment_dtype) for k in n]
+        self.moments = [rule.zeros(k, moment_dtype) for k in n]
         # Each element draws its stochastic rounding from its place in the whole model (groups
         # back to back), not in this rank's shard: ranks do not round alike, and a layout that
         # is the same at another world size rounds the same.
@@ -297,7 +301,7 @@ class HostBuffers:
         g = bucket.group
         mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
         lo, _ = bucket.shard_range(self.rank)
-        return self.master[g][sl], dataclasses.replace(mom, offset=self._base[g] + lo)
+        return self.master[g][sl], mom.at(self._base[g] + lo)
 
     def need_fp32_grads(self) -> None:
         """A backward is about to accumulate: the fp32 gradient of both sets exists from here on
@@ -369,7 +373,7 @@ class HostBuffers:
         if had_fp32:
             self._allocate_fp32()
         self.sizes = plan(self.layout, dtype, asynchronous=asynchronous, delayed=self._delayed,
-                          pinned=pinned, moment_dtype=self.moment_dtype,
+                          pinned=pinned, rule=self.rule, moment_dtype=self.moment_dtype,
                           accumulate=self.accumulate or had_fp32, on_device=len(resident))
         return dict(self.sizes.parts)
 

@@ -28,6 +28,7 @@ from lightning_zero_offload.core.device import SyncDevice
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.preflight import check_host_memory
+from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.stage import DeviceStage
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,11 @@ class DevicePart:
 
     def __init__(self, layout: Layout, dev: SyncDevice, dtype: torch.dtype,
                  config: ZeroOffloadConfig, rank: int, group: object | None,
-                 budget: Callable[[int, bool | None], dict[str, int]]) -> None:
+                 budget: Callable[[int, bool | None], dict[str, int]], rule: type[Rule]
+                 ) -> None:
         """``budget(count, accumulate)``: the engine's host bytes per part at a count."""
         self.layout, self.dev, self.dtype, self.rank, self.group = layout, dev, dtype, rank, group
+        self.rule = rule
         self.fraction, self.headroom = config.offload_fraction, config.device_memory_headroom
         self.accumulate, self._budget = config.accumulate, budget
         self._check_host = config.check_host_memory
@@ -83,7 +86,8 @@ class DevicePart:
             device_budget.check_fixed(
                 self.layout, n, self.dtype, delayed=self._delayed, accumulate=accumulate,
                 free=free, capacity=None if memory is None else memory[1],
-                headroom=self.headroom, fraction=float(self.fraction), rank=self.rank)
+                headroom=self.headroom, fraction=float(self.fraction), rank=self.rank,
+                rule=self.rule)
         elif free is None or host_fits(0):
             n = 0
         else:  # the fewest trailing buckets whose host part fits (host bytes fall with n)
@@ -97,7 +101,7 @@ class DevicePart:
                 n = hi
                 need = sum(device_budget.engine_parts(
                     self.layout, n, self.dtype, delayed=self._delayed,
-                    accumulate=accumulate).values())
+                    accumulate=accumulate, rule=self.rule).values())
                 if need > free:
                     raise MemoryError(
                         f"ZeroOffload: rank {self.rank}'s host cannot hold its optimizer state "
@@ -132,7 +136,8 @@ class DevicePart:
         made: list[DeviceStage] = []
         try:
             for b in buckets:
-                made.append(DeviceStage(self.dev, b, self.layout.buckets[b].shard, self.dtype))
+                made.append(DeviceStage(self.dev, b, self.layout.buckets[b].shard, self.dtype,
+                                        self.rule.STATE))
         except BaseException:
             for s in made:
                 s.free()
@@ -171,7 +176,7 @@ class DevicePart:
         n_host, more = len(self.layout.buckets) - self.count, 0
         for b in range(n_host - 1, -1, -1):
             need = device_budget.bucket_bytes(self.layout.buckets[b].shard, self.dtype,
-                                              accumulating or self.may_accumulate)
+                                              accumulating or self.may_accumulate, self.rule)
             if need > room:
                 break
             room -= need

@@ -32,6 +32,7 @@ from lightning_zero_offload.core.layout import Layout, build_layout, shard_align
 from lightning_zero_offload.core.master_fill import fill_master
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.resident import DevicePart
+from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import GradStreamer
@@ -53,7 +54,7 @@ class Where:
     group: Any  # the engine's data-parallel process group
     device: torch.device
     tp: Any  # core.tensor_parallel.TensorParallel or None
-    decoupled: bool  # AdamW's decoupled weight decay (else Adam's L2)
+    rule: Rule  # the update rule of the user's optimizer
 
     @functools.cached_property
     def trained(self) -> dict[int, str]:
@@ -87,7 +88,7 @@ def _sizing(w: Where, dev: SyncDevice) -> dict[str, Any]:
     """The host buffers' sizing arguments (the budget counts what they will allocate)."""
     c = w.config
     return dict(asynchronous=dev.asynchronous, delayed=c.delayed_update, pinned=w.pinned,
-                moment_dtype=c.moment_dtype, accumulate=c.accumulate)
+                rule=type(w.rule), moment_dtype=c.moment_dtype, accumulate=c.accumulate)
 
 
 def place(w: Where) -> tuple[SyncDevice, DevicePart, list[DeviceStage]]:
@@ -96,7 +97,7 @@ def place(w: Where) -> tuple[SyncDevice, DevicePart, list[DeviceStage]]:
     dev = make_device(w.device, w.group, w.config.collective_timeout_s)
     budget = budget_at(w.layout, w.module, w.trained, w.dtype, **_sizing(w, dev),
                        cpu=w.device.type == "cpu" and dev.memory() is None)
-    part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget)
+    part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget, type(w.rule))
     ranks.start(w.layout, w.module, w.group, w.device, w.tp, part.choose, w.config)
     part.agree()  # a lazy fp32 gradient adds its own later
     return dev, part, part.stages()
@@ -140,7 +141,7 @@ def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
     delayed = DelayedUpdate(worker, profile, weights, host, update)
     on_device = DeviceUpdate(w.layout, host, grads, rank=w.rank, profile=profile)
     step = Stepper(w.layout, grads, weights, update, on_device, delayed, c,
-                   decoupled=w.decoupled, rank=w.rank, process_group=w.group, device=w.device,
+                   rule=w.rule, rank=w.rank, process_group=w.group, device=w.device,
                    profile=profile, worker=worker)
     return worker, delayed, step
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.ops.moments import Moments
@@ -49,18 +48,18 @@ def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
         return master
     if mom.moment_dtype == "fp32":
         return getattr(mom, kind)
-    return mom.to_fp32()[rule.STATE_NAMES.index(kind)]
+    return mom.to_fp32()[mom.names.index(kind)]
 
 
 def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, ...] | None:
-    """Bucket ``b``'s shard of both moments as the engine's own fp32 tensors (host fp32 arrays,
+    """Bucket ``b``'s shard of the rule's state as the engine's own fp32 tensors (host fp32 arrays,
     or the device part's on the CPU compute device), to write in place; else None."""
     first = len(host.layout.buckets) - len(host.resident)
     if b >= first:
         stage = host.resident[b - first]
         return tuple(stage.state) if stage.master.device.type == "cpu" else None
     mom = host.state(b)[1]
-    return tuple(getattr(mom, n) for n in rule.STATE_NAMES) if mom.moment_dtype == "fp32" else None
+    return tuple(mom.arrays.values()) if mom.moment_dtype == "fp32" else None
 
 
 def group_master(host: HostBuffers, g: int) -> Tensor:
@@ -91,9 +90,9 @@ def group_moments(host: HostBuffers, g: int) -> Moments:
     mine, stages = host.moments[g], _resident(host, g)
     if saved_moment_dtype(host) == host.moment_dtype and not stages:
         return mine
-    own = mine.to_fp32() if mine.numel else tuple(torch.zeros(0) for _ in rule.STATE_NAMES)
-    m, v = (torch.cat([x, *(s.state[i].cpu() for s in stages)]) for i, x in enumerate(own))
-    return Moments("fp32", m, v)
+    own = mine.to_fp32() if mine.numel else tuple(torch.zeros(0) for _ in mine.names)
+    whole = (torch.cat([x, *(s.state[i].cpu() for s in stages)]) for i, x in enumerate(own))
+    return Moments("fp32", *whole, names=mine.names)
 
 
 @torch.no_grad()
@@ -108,22 +107,22 @@ def load_group(host: HostBuffers, g: int, master: Tensor, moments: Moments) -> N
         for b, bucket in enumerate(host.layout.buckets):
             if bucket.group == g and bucket.host_offset < n:
                 a, k = bucket.host_offset, bucket.shard
-                write_moments(host, b, *moments.chunk(a, k).to_fp32())
+                write_moments(host, b, moments.chunk(a, k).to_fp32())
     for stage in _resident(host, g):
         a, k = host.layout.buckets[stage.b].host_offset, host.layout.buckets[stage.b].shard
         stage.master.copy_(master[a : a + k])
-        write_moments(host, stage.b, *moments.chunk(a, k).to_fp32())
+        write_moments(host, stage.b, moments.chunk(a, k).to_fp32())
 
 
 @torch.no_grad()
-def write_moments(host: HostBuffers, b: int, m32: Tensor, v32: Tensor) -> None:
-    """Bucket ``b``'s shard of both moments from fp32 (int8 host moments: rounded to nearest;
-    the stochastic rounding is the kernel's, per step)."""
+def write_moments(host: HostBuffers, b: int, state32: tuple[Tensor, ...]) -> None:
+    """Bucket ``b``'s shard of the rule's state from fp32 arrays in its order (int8 host
+    moments: rounded to nearest; the stochastic rounding is the kernel's, per step)."""
     first = len(host.layout.buckets) - len(host.resident)
     if b >= first:
-        for t, value in zip(host.resident[b - first].state, (m32, v32), strict=True):
+        for t, value in zip(host.resident[b - first].state, state32, strict=True):
             t.copy_(value)
         return
     bucket = host.layout.buckets[b]
     host.moments[bucket.group].chunk(bucket.host_offset, bucket.shard).copy_(
-        Moments.from_fp32(m32, v32, host.moment_dtype))
+        host.rule.from_fp32(state32, host.moment_dtype))

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.device import Event, SyncDevice
 
 if TYPE_CHECKING:
@@ -122,7 +121,7 @@ class HostStage:
 
 class DeviceStage:
     """Bucket ``b``'s shard kept on the device: its fp32 master and the rule's state (fp32, in
-    the order of ``rule.STATE_NAMES``: :attr:`state`, :meth:`part` by name), and its reduced
+    the order of the rule's ``names``: :attr:`state`, :meth:`part` by name), and its reduced
     gradient (compute dtype after one flush; fp32, allocated at the first flush that adds, when
     micro-batches accumulate). Both gradient sets share it: the device part steps at once, also
     under delayed update. Every write is queued on the stream the streamer gives (after the
@@ -130,12 +129,13 @@ class DeviceStage:
 
     resident = True
 
-    def __init__(self, dev: SyncDevice, b: int, shard: int, dtype: torch.dtype) -> None:
-        self.dev, self.b = dev, b
+    def __init__(self, dev: SyncDevice, b: int, shard: int, dtype: torch.dtype,
+                 names: tuple[str, ...]) -> None:
+        self.dev, self.b, self.names = dev, b, names
         made: list[Tensor] = []
         try:  # an allocation that fails frees the ones before it
             for what, dt in (("master weights", torch.float32),
-                             *((name, torch.float32) for name in rule.STATE_NAMES),
+                             *((name, torch.float32) for name in names),
                              ("gradient", dtype)):
                 made.append(dev.zeros(shard, dt, f"device-resident {what}"))
                 dev.track(made[-1], f"device-resident {what}")  # named by the race detector
@@ -153,7 +153,7 @@ class DeviceStage:
 
     def part(self, kind: str) -> Tensor:
         """``"master"`` or one of the rule's state tensors by its name."""
-        return self.master if kind == "master" else self.state[rule.STATE_NAMES.index(kind)]
+        return self.master if kind == "master" else self.state[self.names.index(kind)]
 
     def free(self) -> None:
         """Give the device memory back: nothing of it stays referenced (a gradient set, or an

@@ -18,11 +18,12 @@ import math
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload.core import collectives, rule
+from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker
@@ -61,13 +62,13 @@ class Stepper:
     def __init__(self, layout: Layout, streamer: GradStreamer, weights: DeviceWeights,
                  update: HostUpdate, device_update: DeviceUpdate, delayed: DelayedUpdate,
                  config: ZeroOffloadConfig, *,
-                 decoupled: bool, rank: int, process_group: object | None,
+                 rule: Rule, rank: int, process_group: object | None,
                  device: torch.device, profile: ProfileRecorder,
                  worker: CpuStepWorker | None) -> None:
         self.layout, self.streamer, self.weights = layout, streamer, weights
         self.update, self.delayed, self.worker = update, delayed, worker
         self.device_update = device_update
-        self.config, self.decoupled, self.rank, self.group = config, decoupled, rank, process_group
+        self.config, self.rule, self.rank, self.group = config, rule, rank, process_group
         self.world_size, self.device, self.profile = layout.world_size, device, profile
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
         self.param_steps = [0] * len(layout.slots)  # steps with a gradient, per parameter
@@ -125,7 +126,7 @@ class Stepper:
     def decide(self, param_groups: list[dict], step: int) -> StepPlan | None:
         """Wait for the gradients and settle the step; None when it is skipped (no gradient
         since ``zero_grad``, or an fp16 overflow)."""
-        rule.check_hparams(param_groups)
+        self.rule.check_hparams(param_groups)
         coef, norm = self._clip_coef, self._clip_norm
         self._clip_coef, self._clip_norm = 1.0, None
         self.last_grad_norm, self.last_step_skipped = None, True
@@ -153,8 +154,8 @@ class Stepper:
             self.param_steps[i] += h
         for g in range(len(param_groups)):
             self.steps[g] += 1
-        hparams = [rule.hyper(group, self.decoupled) for group in param_groups]
-        return StepPlan(coef / (self.world_size * scale), hparams,
+        hparams = [self.rule.hyper(group) for group in param_groups]
+        return StepPlan(self.rule, coef / (self.world_size * scale), hparams,
                         [self._runs(b, had) for b in range(len(self.layout.buckets))])
 
     def _had_grad(self) -> list[bool]:

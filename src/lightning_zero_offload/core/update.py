@@ -14,14 +14,15 @@ or are cast from the master.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.stage import HostStage
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.weights import WeightPush
@@ -33,8 +34,9 @@ Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard step
 class StepPlan:
     """Everything the kernel needs, fixed at decision time."""
 
+    rule: Rule
     grad_scale: float
-    hparams: list[rule.Hyper]  # per group
+    hparams: list[Any]  # per group, the rule's hyperparameters
     runs: list[list[Run]]  # per bucket, ascending; the ranges between runs are left untouched
 
 
@@ -76,10 +78,11 @@ class HostUpdate:
                 for begin, end, step in plan.runs[b]:
                     _untouched(master, out, done, begin)
                     sl = slice(begin, end)
-                    rule.host_update(master[sl], sources[b][sl], moments.chunk(begin, end - begin),
-                                     hp, step=step, grad_scale=plan.grad_scale,
-                                     out=None if out is None else out[sl], threads=self.threads,
-                                     seed=self.seed)
+                    plan.rule.host_update(master[sl], sources[b][sl],
+                                          moments.chunk(begin, end - begin), hp, step=step,
+                                          grad_scale=plan.grad_scale,
+                                          out=None if out is None else out[sl],
+                                          threads=self.threads, seed=self.seed)
                     done = end
                 _untouched(master, out, done, bucket.shard)
                 if not self.out_direct:
@@ -133,9 +136,9 @@ class DeviceUpdate:
                 hp = plan.hparams[bucket.group]
                 for begin, end, k in plan.runs[b]:
                     sl = slice(begin, end)
-                    rule.device_update(stage.master[sl], sources[b][sl],
-                                       [t[sl] for t in stage.state], hp, step=k,
-                                       grad_scale=plan.grad_scale)
+                    plan.rule.device_update(stage.master[sl], sources[b][sl],
+                                            [t[sl] for t in stage.state], hp, step=k,
+                                            grad_scale=plan.grad_scale)
                 lo, hi = bucket.shard_range(self.rank)
                 for target in targets:
                     target[bucket.group][lo:hi].copy_(stage.master)

@@ -24,9 +24,11 @@ import torch
 from lightning_zero_offload.ops import _build
 from lightning_zero_offload.ops._reference import fused_adamw_reference_
 from lightning_zero_offload.ops.moments import (
+    ADAM,
     BLOCK,
     MOMENT_DTYPES,
     Moments,
+    array_bytes,
     moment_bytes,
     num_blocks,
     rng_key,
@@ -34,7 +36,8 @@ from lightning_zero_offload.ops.moments import (
 
 __all__ = [
     "fused_adamw_", "fused_adamw_reference_", "backend", "available_isas", "get_isa", "force_isa",
-    "BLOCK", "MOMENT_DTYPES", "Moments", "moment_bytes", "num_blocks", "rng_key",
+    "ADAM", "BLOCK", "MOMENT_DTYPES", "Moments", "array_bytes", "moment_bytes", "num_blocks",
+    "rng_key",
 ]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,11 +1,12 @@
-"""Compact Adam moments: the storage formats, their sizes, and conversions to and from fp32.
+"""Compact optimizer moments: the storage formats, their sizes, and conversions to and from fp32.
 
-``moment_dtype`` names how both moments are stored (master weights are always fp32):
+A rule's state is one or two moment arrays (Adam: ``exp_avg`` and ``exp_avg_sq``; Lion:
+``exp_avg``); ``moment_dtype`` names how each is stored (master weights are always fp32):
 
-- ``"fp32"``: two fp32 arrays, exact AdamW (8 bytes per element).
-- ``"bf16"``: two bf16 arrays (4 bytes per element), written with stochastic rounding.
-- ``"int8"``: one byte per element per moment plus one fp32 scale per block of ``BLOCK`` (256)
-  elements and moment (2 + 8/256 bytes per element). Block-wise quantization after Dettmers et
+- ``"fp32"``: fp32 arrays, exact (4 bytes per element and moment).
+- ``"bf16"``: bf16 arrays (2 bytes per element and moment), written with stochastic rounding.
+- ``"int8"``: one byte per element and moment plus one fp32 scale per block of ``BLOCK`` (256)
+  elements and moment (1 + 4/256 bytes per element and moment). Block-wise quantization after Dettmers et
   al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022): each block is normalized by
   its absolute maximum, and the codes are non-linear so that small values survive. Ours are small
   floats relative to the block scale, cheap to encode in SIMD: ``exp_avg`` is sign + E4M3
@@ -27,14 +28,14 @@ Everything here is pure torch; ``_reference`` uses the same encoders, and the C+
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 __all__ = [
-    "BLOCK", "MOMENT_DTYPES", "Moments", "moment_bytes", "num_blocks", "rng_key",
+    "ADAM", "BLOCK", "MOMENT_DTYPES", "Moments", "array_bytes", "moment_bytes", "num_blocks",
+    "rng_key",
 ]
 
 BLOCK = 256
@@ -58,17 +59,10 @@ def num_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def moment_bytes(numel: int, moment_dtype: str) -> int:
-    """Exact bytes of both moments for ``numel`` elements, scales and a partial last block
-    included (what ``Moments.zeros`` allocates)."""
-    _check_dtype(moment_dtype)
-    if numel < 0:
-        raise ValueError(f"moment_bytes: numel must be >= 0, got {numel}")
-    if moment_dtype == "fp32":
-        return 8 * numel
-    if moment_dtype == "bf16":
-        return 4 * numel
-    return 2 * numel + 2 * 4 * num_blocks(numel)
+def moment_bytes(numel: int, moment_dtype: str, arrays: int = 2) -> int:
+    """Exact bytes of ``arrays`` state arrays (Adam: both moments) for ``numel`` elements,
+    scales and a partial last block included (what ``Moments.zeros`` allocates)."""
+    return arrays * array_bytes(numel, moment_dtype)
 
 
 # --- 32-bit integer helpers on int64 tensors (exact, mod 2^32) --------------------------------
@@ -218,95 +212,161 @@ def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 
 # --- the public container ----------------------------------------------------------------------
 
+ADAM = ("exp_avg", "exp_avg_sq")  # the default names: Adam's two moments, as torch spells them
+# How each state array is stored as 8-bit codes: sign + E4M3 of the value (a first moment), or
+# unsigned E4M4 of its square root (a second moment). A rule's state names pick their codes.
+_SIGNED, _SQRT = "signed", "sqrt"
+CODES = {"exp_avg": _SIGNED, "exp_avg_sq": _SQRT}
 
-@dataclasses.dataclass
+
+def _codec(name: str) -> str:
+    if name not in CODES:
+        raise ValueError(f"Moments: no storage code for state {name!r}; known: {sorted(CODES)}")
+    return CODES[name]
+
+
+def _encode(x: torch.Tensor, codec: str, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 -> (uint8 codes, per-block scales) in ``codec``, rounding bits ``r16``."""
+    if codec == _SIGNED:
+        scale, inv = _block_scales(x, _MAX_M)
+        return _enc_m(x, _expand(inv, x.numel()), r16).to(torch.uint8), scale
+    sq = _sqrt(x)
+    scale, inv = _block_scales(sq, _MAX_S)
+    return _enc_mag(sq * _expand(inv, x.numel()), r16, 4).to(torch.uint8), scale
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, codec: str) -> torch.Tensor:
+    n = codes.numel()
+    if codec == _SIGNED:
+        return _dec_m(codes) * _expand(scales, n)
+    s = _dec_mag(codes.to(torch.int64), 4) * _expand(scales, n)
+    return s * s
+
+
+def array_bytes(numel: int, moment_dtype: str) -> int:
+    """Exact bytes of one state array of ``numel`` elements, its block scales included."""
+    _check_dtype(moment_dtype)
+    if numel < 0:
+        raise ValueError(f"moment_bytes: numel must be >= 0, got {numel}")
+    size = _STORAGE[moment_dtype].itemsize * numel
+    return size + 4 * num_blocks(numel) if moment_dtype == "int8" else size
+
+
 class Moments:
-    """Both Adam moments of one flat buffer (or a chunk of one) in one storage format.
+    """A rule's per-element state (Adam: both moments; Lion: one) of one flat buffer, or a chunk
+    of one, in one storage format.
 
-    ``exp_avg``/``exp_avg_sq`` are fp32, bf16 or uint8 codes; the scales (fp32, one per block)
-    exist only for ``"int8"``. ``offset`` is where this chunk starts in the whole buffer: the
-    kernel's rounding counter, so a buffer updated chunk by chunk gives the same bits as in one
-    call. Pass a chunk to the kernel with ``ops.fused_adamw_(p, g, **moments.kernel_args(), ...)``.
+    ``arrays`` are fp32, bf16 or uint8 codes by name (torch's, in the rule's order); ``scales``
+    (fp32, one per block) exist only for ``"int8"``. Each array is also an attribute by its name
+    (``mom.exp_avg``, ``mom.exp_avg_scales``). ``offset`` is where this chunk starts in the whole
+    buffer: the kernel's rounding counter, so a buffer updated chunk by chunk gives the same bits
+    as in one call. The i-th array is rounded with the low (i = 0) or high (i = 1) 16 bits of
+    the element's random word. Pass a chunk to a kernel with ``**moments.kernel_args()``.
     """
 
-    moment_dtype: str
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    exp_avg_scales: torch.Tensor | None = None
-    exp_avg_sq_scales: torch.Tensor | None = None
-    offset: int = 0
+    def __init__(self, moment_dtype: str, *arrays: torch.Tensor,
+                 scales: tuple[torch.Tensor, ...] = (), names: tuple[str, ...] | None = None,
+                 offset: int = 0) -> None:
+        names = ADAM[:len(arrays)] if names is None else tuple(names)
+        if len(names) != len(arrays) or len(arrays) not in (1, 2) or (
+                scales and len(scales) != len(arrays)):
+            raise ValueError(f"Moments: {len(arrays)} arrays and {len(scales)} scales for the "
+                             f"state {names}")
+        self.moment_dtype, self.names, self.offset = moment_dtype, names, offset
+        self.arrays = dict(zip(names, arrays, strict=True))
+        self.scales = dict(zip(names, scales, strict=False))  # none unless int8
+
+    def __getattr__(self, attr: str) -> torch.Tensor | None:
+        arrays, scales = self.__dict__.get("arrays", {}), self.__dict__.get("scales", {})
+        if attr in arrays:
+            return arrays[attr]
+        if attr.endswith("_scales") and attr.removesuffix("_scales") in arrays:
+            return scales.get(attr.removesuffix("_scales"))
+        raise AttributeError(attr)
+
+    def _like(self, arrays: list[torch.Tensor], scales: list[torch.Tensor], offset: int
+              ) -> Moments:
+        return Moments(self.moment_dtype, *arrays, scales=tuple(scales), names=self.names,
+                       offset=offset)
+
+    def at(self, offset: int) -> Moments:
+        """The same arrays as a chunk that starts at ``offset`` of the whole buffer."""
+        return self._like(list(self.arrays.values()), list(self.scales.values()), offset)
 
     @property
     def numel(self) -> int:
-        return self.exp_avg.numel()
+        return next(iter(self.arrays.values())).numel()
 
     @property
     def nbytes(self) -> int:
-        ts = (self.exp_avg, self.exp_avg_sq, self.exp_avg_scales, self.exp_avg_sq_scales)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.fields().values())
 
     @classmethod
-    def zeros(cls, numel: int, moment_dtype: str, *, pin_memory: bool = False) -> Moments:
-        """Zero moments (Adam's initial state) for ``numel`` elements; ``moment_bytes`` bytes."""
+    def zeros(cls, numel: int, moment_dtype: str, *, names: tuple[str, ...] = ADAM,
+              pin_memory: bool = False) -> Moments:
+        """Zero state (the rules' initial state) for ``numel`` elements; ``moment_bytes``
+        bytes."""
         _check_dtype(moment_dtype)
         dt = _STORAGE[moment_dtype]
-        m = torch.zeros(numel, dtype=dt, pin_memory=pin_memory)
-        v = torch.zeros(numel, dtype=dt, pin_memory=pin_memory)
-        if moment_dtype != "int8":
-            return cls(moment_dtype, m, v)
-        nb = num_blocks(numel)
-        return cls(moment_dtype, m, v, torch.zeros(nb, pin_memory=pin_memory),
-                   torch.zeros(nb, pin_memory=pin_memory))
+        arrays = [torch.zeros(numel, dtype=dt, pin_memory=pin_memory) for _ in names]
+        scales = ([torch.zeros(num_blocks(numel), pin_memory=pin_memory) for _ in names]
+                  if moment_dtype == "int8" else [])
+        return cls(moment_dtype, *arrays, scales=tuple(scales), names=names)
 
     @classmethod
-    def from_fp32(cls, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, moment_dtype: str
-                  ) -> Moments:
-        """Convert fp32 moments (e.g. a ``torch.optim.AdamW`` state, flattened) to
-        ``moment_dtype``, rounding to nearest. ``"fp32"`` copies."""
+    def from_fp32(cls, *args: Any, names: tuple[str, ...] | None = None) -> Moments:
+        """``from_fp32(*fp32_arrays, moment_dtype)``: fp32 state (e.g. a ``torch.optim.AdamW``
+        state, flattened) converted to ``moment_dtype``, rounding to nearest. ``"fp32"`` copies.
+        ``names`` default to Adam's, as many as arrays are given."""
+        *given, moment_dtype = args
         _check_dtype(moment_dtype)
-        m, v = _flat_fp32(exp_avg, "exp_avg"), _flat_fp32(exp_avg_sq, "exp_avg_sq")
-        if m.numel() != v.numel():
-            raise ValueError(f"exp_avg has {m.numel()} elements but exp_avg_sq {v.numel()}")
+        names = ADAM[:len(given)] if names is None else tuple(names)
+        flat = [_flat_fp32(t, n) for t, n in zip(given, names, strict=True)]
+        if len({t.numel() for t in flat}) > 1:
+            raise ValueError(" but ".join(f"{n} has {t.numel()} elements"
+                                          for n, t in zip(names, flat, strict=True)))
         if moment_dtype == "fp32":
-            return cls("fp32", m.clone(), v.clone())
+            return cls("fp32", *(t.clone() for t in flat), names=names)
         if moment_dtype == "bf16":
-            return cls("bf16", m.to(torch.bfloat16), v.to(torch.bfloat16))
+            return cls("bf16", *(t.to(torch.bfloat16) for t in flat), names=names)
         # 2**16 elements (whole blocks) at a time: the encoder's int64 temporaries take about
         # 150 bytes per element, so a bucket at once would peak far above the bucket itself
-        n, step = m.numel(), 2**16
-        mc, vc = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-        sm, sv = torch.empty(num_blocks(n)), torch.empty(num_blocks(n))
+        n, step = flat[0].numel(), 2**16
+        codes = [torch.empty(n, dtype=torch.uint8) for _ in flat]
+        scales = [torch.empty(num_blocks(n)) for _ in flat]
+        nearest = torch.full((min(n, step),), _NEAREST, dtype=torch.int64)
         for a in range(0, n, step):
             b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
-            r = torch.full((b - a,), _NEAREST | (_NEAREST << 16), dtype=torch.int64)
-            mc[a:b], sm[blocks], vc[a:b], sv[blocks] = encode_q8(m[a:b], _sqrt(v[a:b]), r)
-        return cls("int8", mc, vc, sm, sv)
+            for x, c, s, name in zip(flat, codes, scales, names, strict=True):
+                c[a:b], s[blocks] = _encode(x[a:b], _codec(name), nearest[:b - a])
+        return cls("int8", *codes, scales=tuple(scales), names=names)
 
-    def to_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The moments as fp32 ``(exp_avg, exp_avg_sq)`` (new tensors), exactly as the kernel
-        reads them: the form of a ``torch.optim.AdamW`` state."""
-        if self.moment_dtype == "int8":
-            assert self.exp_avg_scales is not None and self.exp_avg_sq_scales is not None
-            n, step = self.numel, 2**16  # whole blocks at a time, as from_fp32
-            m, v = torch.empty(n), torch.empty(n)
-            for a in range(0, n, step):
-                b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
-                m[a:b], v[a:b] = decode_q8(self.exp_avg[a:b], self.exp_avg_scales[blocks],
-                                           self.exp_avg_sq[a:b], self.exp_avg_sq_scales[blocks])
-            return m, v
-        return self.exp_avg.float().clone(), self.exp_avg_sq.float().clone()
+    def to_fp32(self) -> tuple[torch.Tensor, ...]:
+        """The state as fp32 arrays in the order of :attr:`names` (new tensors), exactly as the
+        kernel reads them: the form of a torch optimizer's state."""
+        if self.moment_dtype != "int8":
+            return tuple(t.float().clone() for t in self.arrays.values())
+        n, step = self.numel, 2**16  # whole blocks at a time, as from_fp32
+        out = tuple(torch.empty(n) for _ in self.names)
+        for a in range(0, n, step):
+            b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
+            for x, name in zip(out, self.names, strict=True):
+                x[a:b] = _decode(self.arrays[name][a:b], self.scales[name][blocks],
+                                 _codec(name))
+        return out
 
     def copy_(self, other: Moments) -> None:
-        """Overwrite these moments with ``other`` (same format and size), in place."""
-        if other.moment_dtype != self.moment_dtype or other.numel != self.numel:
+        """Overwrite this state with ``other`` (same format, names and size), in place."""
+        if (other.moment_dtype, other.names, other.numel) != (
+                self.moment_dtype, self.names, self.numel):
             raise ValueError(
-                f"cannot copy {other.moment_dtype} moments of {other.numel} elements into "
-                f"{self.moment_dtype} moments of {self.numel}; convert with to_fp32/from_fp32"
+                f"cannot copy {other.moment_dtype} state {other.names} of {other.numel} elements "
+                f"into {self.moment_dtype} state {self.names} of {self.numel}; convert with "
+                "to_fp32/from_fp32"
             )
-        for name in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"):
-            dst = getattr(self, name)
-            if dst is not None:
-                dst.copy_(getattr(other, name))
+        mine = self.fields()
+        for key, t in other.fields().items():
+            mine[key].copy_(t)
 
     def chunk(self, start: int, numel: int) -> Moments:
         """Views of elements ``[start, start + numel)``. For ``"int8"`` both ends must be block
@@ -314,50 +374,42 @@ class Moments:
         end = start + numel
         if start < 0 or numel < 0 or end > self.numel:
             raise ValueError(f"chunk [{start}, {end}) is outside moments of {self.numel}")
+        arrays = [t[start:end] for t in self.arrays.values()]
         if self.moment_dtype != "int8":
-            return Moments(self.moment_dtype, self.exp_avg[start:end], self.exp_avg_sq[start:end],
-                           offset=self.offset + start)
+            return self._like(arrays, [], self.offset + start)
         if start % BLOCK or (end % BLOCK and end != self.numel):
             raise ValueError(
                 f"int8 moments: chunk [{start}, {end}) does not fall on {BLOCK}-element block "
                 f"boundaries; cut buffers at multiples of {BLOCK} elements (one scale per block)"
             )
-        assert self.exp_avg_scales is not None and self.exp_avg_sq_scales is not None
         b0, b1 = start // BLOCK, num_blocks(end)
-        return Moments("int8", self.exp_avg[start:end], self.exp_avg_sq[start:end],
-                       self.exp_avg_scales[b0:b1], self.exp_avg_sq_scales[b0:b1],
-                       offset=self.offset + start)
+        return self._like(arrays, [s[b0:b1] for s in self.scales.values()], self.offset + start)
 
     def keep_prefix_(self, numel: int) -> None:
         """Keep elements ``[0, numel)`` only, in new smaller arrays, one array at a time: while
         it runs, memory holds the old arrays plus one new one (a whole new set would double it).
         For ``"int8"``, ``numel`` ends on a block boundary or the buffer's end (as ``chunk``)."""
         view = self.chunk(0, numel)
-        for name in ("exp_avg", "exp_avg_sq", "exp_avg_scales", "exp_avg_sq_scales"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(view, name).clone())
-                setattr(view, name, None)  # the old storage goes with its last view
+        for mine, views in ((self.arrays, view.arrays), (self.scales, view.scales)):
+            for name in list(mine):
+                mine[name] = views.pop(name).clone()  # the old storage goes with its last view
 
     @classmethod
-    def named(cls, moment_dtype: str, fields: Mapping[str, Any]) -> Moments:
-        """Moments from tensors keyed by torch's names (``exp_avg``, ``exp_avg_sq`` and, for
-        int8, ``<name>_scales``), as a checkpoint stores them: :meth:`fields` read back."""
-        return cls(moment_dtype, fields["exp_avg"], fields["exp_avg_sq"],
-                   fields.get("exp_avg_scales"), fields.get("exp_avg_sq_scales"))
+    def named(cls, moment_dtype: str, fields: Mapping[str, Any],
+              names: tuple[str, ...] = ADAM) -> Moments:
+        """State from tensors keyed by torch's names (and, for int8, ``<name>_scales``), as a
+        checkpoint stores them: :meth:`fields` read back."""
+        scales = tuple(fields[f"{n}_scales"] for n in names) if moment_dtype == "int8" else ()
+        return cls(moment_dtype, *(fields[n] for n in names), scales=scales, names=names)
 
     def fields(self) -> dict[str, torch.Tensor]:
         """The stored tensors by torch's names (the scales only where they exist)."""
-        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.exp_avg_scales is not None and self.exp_avg_sq_scales is not None:
-            out["exp_avg_scales"], out["exp_avg_sq_scales"] = (self.exp_avg_scales,
-                                                               self.exp_avg_sq_scales)
-        return out
+        return {**self.arrays, **{f"{n}_scales": s for n, s in self.scales.items()}}
 
     def kernel_args(self) -> dict:
-        """Keyword arguments of ``ops.fused_adamw_`` for these moments."""
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-                "exp_avg_scales": self.exp_avg_scales,
-                "exp_avg_sq_scales": self.exp_avg_sq_scales, "offset": self.offset}
+        """Keyword arguments of the rule's kernel (``ops.fused_adamw_``) for this state."""
+        return {**self.arrays, **{f"{n}_scales": self.scales.get(n) for n in self.names},
+                "offset": self.offset}
 
 
 def _flat_fp32(t: torch.Tensor, name: str) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from lightning_zero_offload.core.rules import RULES
 from lightning_zero_offload.planner.figures import _ELEM, DEFAULT_HOST_RESERVE, MOMENT_DTYPES, plan
 from lightning_zero_offload.planner.inputs import PlanArgumentError
 from lightning_zero_offload.planner.model import ATTENTION
@@ -51,7 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate", action="store_true",
                    help="the run accumulates gradients (accumulate_grad_batches > 1)")
     p.add_argument("--moment-dtype", default="fp32", choices=list(MOMENT_DTYPES),
-                   help="how the host keeps the Adam moments (ZeroOffloadConfig.moment_dtype)")
+                   help="how the host keeps the optimizer's moments "
+                   "(ZeroOffloadConfig.moment_dtype)")
+    p.add_argument("--optimizer", default="adamw", choices=[r.KEY for r in RULES],
+                   help="the update rule whose state the host keeps (default: %(default)s)")
     p.add_argument("--offload-fraction", default=AUTO, type=_number_or_text,
                    help="share of the optimizer state on the host, the rest (whole buckets, the "
                    "first layers) on the device: a number in [0, 1] or auto, the largest share "
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       moment_dtype=a.moment_dtype, attention=a.attention,
                       activation_checkpointing=a.activation_checkpointing,
                       accumulate=a.accumulate, offload_fraction=a.offload_fraction,
-                      device_memory_headroom=a.device_memory_headroom)
+                      device_memory_headroom=a.device_memory_headroom, optimizer=a.optimizer)
     except PlanArgumentError as e:
         p.error(f"argument {e.option}: {e.problem}")
     except (ValueError, OSError, ImportError) as e:

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import device_budget, rule
+from lightning_zero_offload.core import device_budget
+from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rules import RULES, rule_named
 from lightning_zero_offload.planner import inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
@@ -72,6 +74,7 @@ class Plan:
     device_step_elements: int = 0
     device_step_bytes: int = 0
     device_step_seconds: float | None = None
+    optimizer: str = "adamw"  # the update rule planned for (core.rules)
 
     @property
     def host_usable(self) -> int | None:
@@ -101,8 +104,8 @@ def _buckets(trained: int, precision: str, world_size: int, bucket_bytes: int,
 
 
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
-            bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str = "fp32",
-            accumulate: bool = False, on_device: int = 0) -> tuple[dict, dict]:
+            bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str,
+            accumulate: bool, on_device: int, rule: type[Rule]) -> tuple[dict, dict]:
     """(device breakdown, host breakdown) for these counts, the last ``on_device`` buckets'
     optimizer state on the device (``split``). The host side is the engine's own sizing
     (``core.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``, for a
@@ -117,8 +120,8 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     shards = [b // world_size for b in buckets]
     hosted = shards[: len(shards) - on_device]
     sizes = plan_counts([sum(hosted)], hosted, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu,
-                        moment_dtype=moment_dtype, accumulate=accumulate)
+                        pinned=not cpu, rule=rule, moment_dtype=moment_dtype,
+                        accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
                   untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
@@ -127,7 +130,8 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
         dev = device_budget.parts(
             trained=trained, max_bucket=max(buckets, default=0),
             max_shard=max(shards, default=0), world_size=world_size,
-            resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate)
+            resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate,
+            rule=rule)
         if frozen:
             dev["weights"] = dev.get("weights", 0) + h * frozen
         if activations:
@@ -146,30 +150,33 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          cpu_threads: int | None = None, moment_dtype: str = "fp32",
          activation_checkpointing: bool = False, attention: str = "eager",
          accumulate: bool = False, offload_fraction: float | str = split.AUTO,
-         device_memory_headroom: float = split.DEFAULT_HEADROOM) -> Plan:
+         device_memory_headroom: float = split.DEFAULT_HEADROOM, optimizer: str = "adamw") -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
     the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
     ``host_reserve`` (``"10%"`` of it or a size such as ``"8GiB"``) kept for the OS, Python and
     data loaders: "fits" and the largest model use what is left. ``frozen_params`` of the total
-    do not train (e.g. a LoRA base model). ``moment_dtype`` is ``ZeroOffloadConfig.moment_dtype``.
-    ``activation_checkpointing``: the model recomputes each layer in backward. ``attention``:
-    what the activation estimate assumes, ``"eager"`` (the ``seq x seq`` scores are kept) or
-    ``"memory-efficient"`` (SDPA/flash kernels keep none). ``accumulate``: the run accumulates
-    gradients over several backward passes, so its host figure is the accumulating one.
-    ``offload_fraction`` (a number in [0, 1] or ``"auto"``) and ``device_memory_headroom`` are
-    ``ZeroOffloadConfig``'s: the share of the optimizer state on the host (the rest, whole
-    buckets, on the device; ``split``), and for ``"auto"`` the share of the device left free: it
-    resolves to the largest fraction whose host part fits the host and whose device part fits
-    within ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all). When
-    it does not fit, ``short`` names the memory that is short and ``suggestions`` the changes
-    that fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong
-    type) naming it."""
+    do not train (e.g. a LoRA base model). ``moment_dtype`` is
+    ``ZeroOffloadConfig.moment_dtype``. ``activation_checkpointing``: the model recomputes each
+    layer in backward. ``attention``: what the activation estimate assumes, ``"eager"`` (the
+    ``seq x seq`` scores are kept) or ``"memory-efficient"`` (SDPA/flash kernels keep none).
+    ``accumulate``: the run accumulates gradients over several backward passes, so its host
+    figure is the accumulating one. ``optimizer``: the update rule's key (``"adamw"``:
+    Adam/AdamW, ``"lion"``), whose state the host keeps. ``offload_fraction`` (a number in [0,
+    1] or ``"auto"``) and ``device_memory_headroom`` are ``ZeroOffloadConfig``'s: the share of
+    the optimizer state on the host (the rest, whole buckets, on the device; ``split``), and for
+    ``"auto"`` the share of the device left free: it resolves to the largest fraction whose host
+    part fits the host and whose device part fits within ``1 - device_memory_headroom`` of the
+    device (1.0 when the host holds it all). When it does not fit, ``short`` names the memory
+    that is short and ``suggestions`` the changes that fit, each re-planned. A bad argument
+    raises ``ValueError`` (``TypeError`` for a wrong type) naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
     inputs.choice(precision, "precision", tuple(_ELEM))
     inputs.choice(moment_dtype, "moment_dtype", MOMENT_DTYPES)
+    inputs.choice(optimizer, "optimizer", tuple(r.KEY for r in RULES))
+    rule = rule_named(optimizer)
     inputs.choice(device, "device", ("cuda", "cpu"))
     inputs.choice(attention, "attention", ATTENTION)
     for name, val in (("world_size", world_size), ("ranks_per_node", ranks_per_node),
@@ -208,7 +215,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
               batch_size=batch_size, seq_len=seq_len, bucket=int(bucket_mb * 2**20),
               delayed_update=delayed_update, moment_dtype=moment_dtype,
               activation_checkpointing=activation_checkpointing, attention=attention,
-              accumulate=accumulate, offload_fraction=fraction, headroom=headroom)
+              accumulate=accumulate, offload_fraction=fraction, headroom=headroom, rule=rule)
     result = _evaluate(st, search=True)
     if device == "cpu":
         result.notes.append("activations are not counted (with the CPU as the device they take "
@@ -227,7 +234,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
 
         threads = cpu_threads or default_threads(world_size, torch.device(device),
                                                  delayed_update)
-        rate = speed.measure_kernel(precision, threads, moment_dtype=moment_dtype)
+        rate = speed.measure_kernel(precision, threads, rule, moment_dtype=moment_dtype)
         result.cpu_threads, result.kernel_params_per_second = threads, rate
         # the host part only: the device part's buckets step on the device
         result.cpu_step_seconds = (-(-(total - frozen) // world_size)
@@ -239,9 +246,9 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
         result.device_step_elements = int(-(-(total - frozen) // world_size)
                                           * (1 - result.offload_fraction))
         result.device_step_bytes = result.device_step_elements * speed.device_step_bytes(
-            _ELEM[precision])
+            _ELEM[precision], rule)
         if measure and result.device_step_elements:
-            rate = speed.measure_device_step(precision)
+            rate = speed.measure_device_step(precision, rule)
             result.device_step_seconds = None if rate is None else (
                 result.device_step_elements / rate)
     return result
@@ -262,7 +269,8 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
     def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int,
               k: int) -> tuple[dict, dict]:
         return _counts(n_trained, n_frozen, st["precision"], st["world_size"], device,
-                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate, k)
+                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate, k,
+                       st["rule"])
 
     def fit(d: int, hb: int, k: int) -> tuple[bool | None, bool | None]:
         # "auto" puts state on the device only within the headroom
@@ -351,7 +359,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
             largest, blocked = None, "activations"
     optimizer = sum(dev.get(key, 0) for key in device_budget.STATE_PARTS)
-    copies = _async_copies(total - frozen, st["world_size"], st["moment_dtype"], k)
+    copies = _async_copies(total - frozen, st["world_size"], st["moment_dtype"], k, st["rule"])
     room = None if usable is None else usable - host_bytes * ranks
     copy_fits = {kind: None if room is None else copy * (ranks if kind == "sharded" else 1)
                  <= room for kind, copy in copies.items()}
@@ -368,15 +376,15 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 offload_fraction_after_first_step=after,
                 async_copy_sharded=copies["sharded"],
                 async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits,
-                auto_tried=tried)
+                auto_tried=tried, optimizer=st["rule"].KEY)
 
 
-def _async_copies(trained: int, world_size: int, moment_dtype: str,
-                  on_device: int) -> dict[str, int]:
+def _async_copies(trained: int, world_size: int, moment_dtype: str, on_device: int,
+                  rule: type[Rule]) -> dict[str, int]:
     """Bytes an asynchronous save copies (``core.checkpoint.pending``): a sharded save a rank's
     shard as it is saved (fp32 master; the moments as held, fp32 where a device part is), a
     consolidated one the whole model's fp32 master and moments, on rank 0."""
     shard = -(-trained // world_size)
     saved = moment_dtype if on_device == 0 else "fp32"
-    return {"sharded": 4 * shard + rule.state_bytes(shard, saved),
-            "consolidated": 4 * trained * (1 + len(rule.STATE_NAMES))}
+    return {"sharded": 4 * shard + rule.host_bytes(shard, saved),
+            "consolidated": 4 * trained + rule.host_bytes(trained, "fp32")}

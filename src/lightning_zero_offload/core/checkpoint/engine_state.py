@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import collectives, rule, shard_view
+from lightning_zero_offload.core import collectives, shard_view
 from lightning_zero_offload.core.checkpoint import (
     agreement,
     files,
@@ -95,6 +95,7 @@ class EngineState:
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             **tp,
             "precision": self.precision, "layout": self.layout.describe(),
+            "rule": self.host.rule.KEY,
             "moment_dtype": shard_view.saved_moment_dtype(self.host),
             "groups": [{"step": counters["steps"][g],
                         **self._group(g, to_write and bool(self.host.resident))}
@@ -110,7 +111,7 @@ class EngineState:
                     **formats.moments_fields(shard_view.group_moments(self.host, g))}
         n = self.layout.group_shard_numel[g]
         return {kind: stream.Later((n,), torch.float32, lambda kind=kind: shard_view.group_pieces(
-            self.host, g, kind)) for kind in ("master", *rule.STATE_NAMES)}
+            self.host, g, kind)) for kind in ("master", *self.host.rule.STATE)}
 
     def load_shard(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
@@ -186,7 +187,7 @@ class EngineState:
         if "optimizer" in full:
             states = full["optimizer"]["state"]
             for i in sorted(states):
-                for key in rule.STATE_NAMES:
+                for key in self.host.rule.STATE:
                     states[i][key] = tp.whole_value(params[i], states[i][key])
         return full
 
@@ -198,7 +199,7 @@ class EngineState:
         model = {k: tp.local_value(names[k], v) for k, v in model.items()}
         if opt is not None:
             opt = {**opt, "state": {i: {**st, **{key: tp.local_value(params[i], st[key])
-                                                   for key in rule.STATE_NAMES}}
+                                                   for key in self.host.rule.STATE}}
                                     for i, st in opt["state"].items()}}
         return model, opt
 
@@ -211,7 +212,8 @@ class EngineState:
             states = opt["state"] if opt else {}
             steps, param_steps = [0] * len(self.group_sizes), []
             for s in self.layout.slots:
-                n = int(states[s.index]["step"]) if s.index in states else 0
+                # a plain lion_pytorch state has no step count: counted from its load on
+                n = int(states[s.index].get("step", 1)) if s.index in states else 0
                 param_steps.append(n)
                 steps[s.group] = max(steps[s.group], n)
             self.stepper.load_state_dict({"steps": steps, "param_steps": param_steps,
@@ -224,16 +226,16 @@ class EngineState:
                 master = shard_view.bucket_master(self.host, b)
                 own = shard_view.own_fp32_moments(self.host, b)  # written in place: no copy
                 state32 = ([t.zero_() for t in own] if own else
-                           [torch.zeros(k) for _ in rule.STATE_NAMES])
+                           [torch.zeros(k) for _ in self.host.rule.STATE])
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     master[sl] = stream.made(model[slot.name]).reshape(-1)[lo:hi]
                     st = states.get(slot.index)
                     if st:
-                        for t, name in zip(state32, rule.STATE_NAMES, strict=True):
+                        for t, name in zip(state32, self.host.rule.STATE, strict=True):
                             t[sl] = stream.made(st[name]).reshape(-1)[lo:hi]
                 if own is None:
-                    shard_view.write_moments(self.host, b, *state32)
+                    shard_view.write_moments(self.host, b, tuple(state32))
                     trim()  # the conversion's temporaries, before the next bucket's
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):

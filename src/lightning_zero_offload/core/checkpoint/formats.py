@@ -1,13 +1,15 @@
-"""Checkpoint formats: per-rank shards and the consolidated (torch AdamW) form.
+"""Checkpoint formats: per-rank shards and the consolidated (torch) form.
 
-A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its moments per group
-as the engine holds them, by the rule's names (``"moment_dtype"``: fp32, bf16, or 8-bit codes
-with a ``<name>_scales`` per block; format ``/1`` shards are fp32), step counts per group
-and per parameter (``"param_steps"``, in layout order; before format ``/3`` the group's),
-hyperparameters, the loss scaler and the layout that produced it. The layout lets
-:func:`consolidate` rebuild the full, world-size-independent form from all shards: a fp32 model
-state_dict plus a ``torch.optim.AdamW``-format optimizer state_dict. Files, checksums and atomic
-publishing are ``files``'s; the checks of a loaded state are ``validation``'s.
+A shard is ``ZeroOffload.state_dict()``: this rank's fp32 master weights and its update rule's
+state per group as the engine holds them, by the rule's names (``"rule"``; ``"moment_dtype"``:
+fp32, bf16, or 8-bit codes with a ``<name>_scales`` per block; format ``/1`` shards are fp32),
+step counts per group and per parameter (``"param_steps"``, in layout order; before format
+``/3`` the group's), hyperparameters, the loss scaler and the layout that produced it. The
+layout lets :func:`consolidate` rebuild the full, world-size-independent form from all shards:
+a fp32 model state_dict plus an optimizer state_dict in torch's format (``torch.optim.AdamW``'s
+for Adam; every parameter's entry carries its ``"step"``, which ``lion_pytorch.Lion`` ignores).
+Files, checksums and atomic publishing are ``files``'s; the checks of a loaded state are
+``validation``'s.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
+from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rules import rule_named
 from lightning_zero_offload.ops.moments import Moments
 
 # /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")
@@ -41,6 +44,14 @@ def shard_moment_dtype(shard: dict) -> str:
     return shard.get("moment_dtype", "fp32")
 
 
+def shard_rule(shard: dict) -> type[Rule]:
+    """The update rule that wrote a shard (shards before the key were Adam's)."""
+    try:
+        return rule_named(shard.get("rule", "adamw"))
+    except ValueError as e:
+        raise CheckpointError(f"the shard's {e}; use another checkpoint") from None
+
+
 def param_steps(shard: dict) -> list[int]:
     """Steps taken per parameter, in layout order (older shards: each its group's count)."""
     if "param_steps" in shard:
@@ -50,7 +61,7 @@ def param_steps(shard: dict) -> list[int]:
 
 def group_moments(shard: dict, g: int) -> Moments:
     """Group ``g``'s saved moments as ``ops.Moments`` (views of the shard's tensors)."""
-    return Moments.named(shard_moment_dtype(shard), shard["groups"][g])
+    return shard_rule(shard).named(shard_moment_dtype(shard), shard["groups"][g])
 
 
 def moments_fields(mom: Moments) -> dict[str, Tensor]:
@@ -80,7 +91,8 @@ def consolidate(shards: list[dict]) -> dict:
             f"consolidate: the checkpoint was written by {world} ranks but shards for ranks "
             f"{sorted(by_rank)} were found; all {world} shard files are needed"
         )
-    keys = ("master", *rule.STATE_NAMES)
+    names = shard_rule(shards[0]).STATE
+    keys = ("master", *names)
     flats = {k: [torch.zeros(n) for n in desc["group_numel"]] for k in keys}
     for g, start, numel, host in desc["buckets"]:
         size = numel // world
@@ -89,26 +101,26 @@ def consolidate(shards: list[dict]) -> dict:
             flats["master"][g][sl] = by_rank[r]["groups"][g]["master"][host : host + size]
             # Compact moments are dequantized bucket shard by bucket shard (block-aligned).
             state = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
-            for name, x in zip(rule.STATE_NAMES, state, strict=True):
+            for name, x in zip(names, state, strict=True):
                 flats[name][g][sl] = x
-    return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"])
+    return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"], names)
 
 
 def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
-             hparams: list[dict]) -> dict:
+             hparams: list[dict], names: tuple[str, ...]) -> dict:
     """Full state from full flat fp32 buffers per group (``flats[key][group]``) and the steps
     per parameter (layout order; a parameter that never had a gradient gets no state, as in
-    torch); without ``"master"`` the model is empty, without the rule's state
-    (``rule.STATE_NAMES``) the optimizer state."""
+    torch); without ``"master"`` the model is empty, without the rule's state (``names``)
+    the optimizer state."""
     model: dict[str, Tensor] = {}
     state: dict[int, dict] = {}
     for (name, g, index, offset, numel, shape), step in zip(desc["params"], steps, strict=True):
         sl = slice(offset, offset + numel)
         if "master" in flats:
             model[name] = flats["master"][g][sl].view(shape).clone()
-        if step > 0 and rule.STATE_NAMES[0] in flats:
+        if step > 0 and names[0] in flats:
             state[index] = {"step": torch.tensor(float(step)), **{
-                n: flats[n][g][sl].view(shape).clone() for n in rule.STATE_NAMES}}
+                n: flats[n][g][sl].view(shape).clone() for n in names}}
     param_groups, index = [], 0
     for hp, size in zip(hparams, desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(index, index + size))})

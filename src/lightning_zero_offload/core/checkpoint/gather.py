@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives, rule, shard_view
+from lightning_zero_offload.core import collectives, shard_view
 from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.core.checkpoint.stream import Later
 
@@ -97,7 +97,8 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
             if state.world_size > 1 else None)
     gather = BucketGather(state.layout, state.host, state.rank, state.group, coll)
     slots, tp = in_bucket_order(state.layout), state.tp
-    kinds = (["master"] if model else []) + (list(rule.STATE_NAMES) if optimizer else [])
+    rule_state = state.host.rule.STATE
+    kinds = (["master"] if model else []) + (list(rule_state) if optimizer else [])
     made = {kind: {s.index: later(gather, kind, s, tp) for s in slots} for kind in kinds}
     counters = state.stepper.state_dict()
     full: dict[str, Any] = {"format": formats.FULL_FORMAT}
@@ -111,7 +112,7 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
             for name, t in names.items()}
     if optimizer:
         per_param = {s.index: {"step": torch.tensor(float(n)),
-                               **{k: made[k][s.index] for k in rule.STATE_NAMES}}
+                               **{k: made[k][s.index] for k in rule_state}}
                      for s, n in zip(state.layout.slots, counters["param_steps"], strict=True)
                      if n > 0}
         param_groups, first = [], 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.core.checkpoint.stream import Later
 
@@ -25,7 +24,7 @@ class ShardReader:
         self.world = self.desc["world_size"]
         self.by_rank = {s["rank"]: s for s in shards}
         self._key: tuple[int, int, int] | None = None
-        self._moments: tuple[Tensor, Tensor] | None = None
+        self._moments: tuple[Tensor, ...] | None = None
 
     def _piece(self, kind: str, r: int, g: int, host: int, size: int, lo: int, hi: int) -> Tensor:
         """Elements ``[lo, hi)`` of rank ``r``'s shard of a bucket at ``host``, in fp32."""
@@ -39,8 +38,7 @@ class ShardReader:
             self._moments = None  # the previous bucket shard's goes first
             self._moments = moments.chunk(host, size).to_fp32()
             self._key = (r, host, g)
-        m, v = self._moments
-        return (m if kind == rule.STATE_NAMES[0] else v)[lo:hi]
+        return self._moments[moments.names.index(kind)][lo:hi]
 
     def value(self, kind: str, g: int, offset: int, numel: int, shape: tuple) -> Tensor:
         """The saved parameter at ``offset`` of group ``g``: a view where one rank holds it."""
@@ -78,7 +76,7 @@ def lazy_full(shards: list[dict]) -> dict:
         model[name] = later("master")
         if step > 0:
             state[index] = {"step": torch.tensor(float(step)),
-                            **{k: later(k) for k in rule.STATE_NAMES}}
+                            **{k: later(k) for k in formats.shard_rule(shards[0]).STATE}}
     param_groups, first = [], 0
     for hp, size in zip(shards[0]["param_groups"], reader.desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(first, first + size))})

@@ -11,18 +11,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import rule
 from lightning_zero_offload.core.checkpoint.formats import (
     MOMENT_STORAGE,
     SHARD_FORMATS,
     CheckpointError,
     shard_moment_dtype,
     shard_numel,
+    shard_rule,
 )
+from lightning_zero_offload.core.rules import RULES
 from lightning_zero_offload.ops.moments import MOMENT_DTYPES, num_blocks
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.checkpoint.engine_state import EngineState
+    from lightning_zero_offload.core.rule import Rule
 
 
 def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None, tuple]]) -> None:
@@ -34,7 +36,8 @@ def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None,
     first = shards[0]
     for s in shards:
         if (s.get("format") not in SHARD_FORMATS or s["layout"] != first["layout"]
-                or shard_moment_dtype(s) != shard_moment_dtype(first)):
+                or shard_moment_dtype(s) != shard_moment_dtype(first)
+                or s.get("rule") != first.get("rule")):
             raise CheckpointError("checkpoint shards come from different saves; use another "
                                   "checkpoint")
         check_shard_groups(s, [shard_numel(s["layout"], g) for g in range(len(s["groups"]))],
@@ -64,7 +67,7 @@ def check_tensor_parallel(shards: list[dict], mine: dict | None, path: object) -
 def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
     """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
     dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
-    md = shard_moment_dtype(shard)
+    md, names = shard_moment_dtype(shard), shard_rule(shard).STATE
     if md not in MOMENT_DTYPES:
         raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
     if len(shard["groups"]) != len(numels):
@@ -77,10 +80,10 @@ def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
                               "shard?); use another checkpoint")
     for g, (grp, n) in enumerate(zip(shard["groups"], numels, strict=True)):
         want = {"master": (n, torch.float32),
-                **{name: (n, MOMENT_STORAGE[md]) for name in rule.STATE_NAMES}}
+                **{name: (n, MOMENT_STORAGE[md]) for name in names}}
         if md == "int8":
             want.update({f"{name}_scales": (num_blocks(n), torch.float32)
-                         for name in rule.STATE_NAMES})
+                         for name in names})
         for key, (numel, dtype) in want.items():
             t = grp.get(key)
             if not isinstance(t, Tensor) or t.numel() != numel or t.dtype != dtype:
@@ -121,6 +124,7 @@ def check_shard(state: Any, engine: EngineState) -> None:
             f"ZeroOffload.load_state_dict: shard of tensor-parallel place "
             f"{state.get('tensor_parallel')} cannot load into {engine.tp_describe()}; load a "
             "consolidated checkpoint (full_state_dict/load_full_state_dict) to change the mesh")
+    check_rule(shard_rule(state), engine, "ZeroOffload.load_state_dict")
     if state["world_size"] != engine.world_size or state["rank"] != engine.rank:
         raise CheckpointError(
             f"ZeroOffload.load_state_dict: shard of rank {state['rank']} of {state['world_size']} "
@@ -171,10 +175,33 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
             "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
             "param groups (same groups with the same number of parameters are needed)"
         )
+    names = engine.host.rule.STATE
+    for st in opt["state"].values():
+        held = tuple(k for k in st if k != "step") if isinstance(st, dict) else ()
+        if set(held) != set(names):
+            saved = next((r for r in RULES if set(r.STATE) == set(held)), None)
+            check_rule(saved, engine, "ZeroOffload.load_full_state_dict", held)
     for slot in engine.layout.slots:
         st = opt["state"].get(slot.index)
         if st is not None and any(tuple(st[n].shape) != tuple(slot.param.shape)
-                                  for n in rule.STATE_NAMES):
+                                  for n in names):
             raise CheckpointError(f"ZeroOffload.load_full_state_dict: optimizer state of "
                                   f"{slot.name!r} has the wrong shape")
     return model, opt
+
+
+def check_rule(saved: type[Rule] | None, engine: EngineState, who: str,
+               held: tuple[str, ...] = ()) -> None:
+    """The checkpoint's update rule (None: state of no rule the engine knows, ``held`` its
+    names) is this engine's: a rule's state means nothing to another."""
+    mine = engine.host.rule
+    if saved is not None and saved.KEY == mine.KEY:
+        return
+    what = (f"{saved.NAME}'s ({', '.join(saved.STATE)})" if saved is not None
+            else f"of no supported optimizer ({', '.join(held) or 'empty'})")
+    raise CheckpointError(
+        f"{who}: the checkpoint's optimizer state is {what}, but this engine's optimizer is "
+        f"{mine.NAME} ({', '.join(mine.STATE)}): optimizer state resumes only with the update "
+        "rule that wrote it. Resume with the optimizer the checkpoint was written with, or load "
+        "the weights alone (load_full_state_dict({'model': ...}) on a consolidated checkpoint) "
+        "and start the new optimizer afresh")
