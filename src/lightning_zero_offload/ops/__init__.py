@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from types import ModuleType
 
 import torch
 
@@ -36,6 +37,7 @@ from lightning_zero_offload.ops.moments import (
 
 __all__ = [
     "fused_adamw_", "fused_adamw_reference_", "backend", "available_isas", "get_isa", "force_isa",
+    "check_tensor", "kernel", "pool",
     "ADAM", "BLOCK", "MOMENT_DTYPES", "Moments", "array_bytes", "moment_bytes", "num_blocks",
     "rng_key",
 ]
@@ -80,26 +82,45 @@ def force_isa(name: str) -> Iterator[None]:
         ext.set_isa(previous)
 
 
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None) -> None:
+def check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None,
+                 fn: str = "fused_adamw_") -> None:
+    """``t`` (argument ``name`` of kernel ``fn``) is a dense contiguous CPU tensor of one of
+    ``dtypes`` (and ``numel`` elements); else a clear error naming the fix."""
     # Ordered cheapest-first: this runs once per tensor per call, and calls come chunk by chunk.
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"fused_adamw_: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise ValueError(
-            f"fused_adamw_: `{name}` is on {t.device}; the CPU optimizer needs host tensors "
+            f"{fn}: `{name}` is on {t.device}; the CPU optimizer needs host tensors "
             f"(move it with `.cpu()`)"
         )
     if t.dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"fused_adamw_: `{name}` has dtype {t.dtype}; expected one of: {names}")
+        raise TypeError(f"{fn}: `{name}` has dtype {t.dtype}; expected one of: {names}")
     if t.layout is not torch.strided:
-        raise ValueError(f"fused_adamw_: `{name}` must be a dense (strided) tensor")
+        raise ValueError(f"{fn}: `{name}` must be a dense (strided) tensor")
     if not t.is_contiguous():
-        raise ValueError(f"fused_adamw_: `{name}` must be contiguous (call `.contiguous()`)")
+        raise ValueError(f"{fn}: `{name}` must be contiguous (call `.contiguous()`)")
     if numel is not None and t.numel() != numel:
         raise ValueError(
-            f"fused_adamw_: `{name}` has {t.numel()} elements but `param` has {numel}"
+            f"{fn}: `{name}` has {t.numel()} elements but `param` has {numel}"
         )
+
+
+def kernel() -> ModuleType | None:
+    """The compiled extension, or None where the pure-torch reference is in use."""
+    return _build.load()
+
+
+def pool(num_threads: int | None) -> tuple[int, bool]:
+    """``(threads, on torch's pool)`` of a kernel call: ``num_threads`` (default torch's), and
+    whether the chunks may run on torch's intra-op pool (torch's count, the main thread)."""
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"`num_threads` must be an int >= 1, got {num_threads!r}")
+    torch_threads = torch.get_num_threads()
+    threads = int(num_threads or torch_threads)
+    return threads, (threads == torch_threads
+                     and threading.current_thread() is threading.main_thread())
 
 
 _NAMES = ("param", "grad", "exp_avg", "exp_avg_sq", "out", "exp_avg_scales", "exp_avg_sq_scales")
@@ -156,13 +177,13 @@ def check_args(
     offset: int = 0,
 ) -> None:
     """Raise a clear error naming the first bad argument; writes nothing."""
-    _check_tensor("param", param, _F32, None)
+    check_tensor("param", param, _F32, None)
     n = param.numel()
-    _check_tensor("grad", grad, _GRAD_DTYPES, n)
-    _check_tensor("exp_avg", exp_avg, _MOMENT_DTYPES, n)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
+    check_tensor("grad", grad, _GRAD_DTYPES, n)
+    check_tensor("exp_avg", exp_avg, _MOMENT_DTYPES, n)
+    check_tensor("exp_avg_sq", exp_avg_sq, (exp_avg.dtype,), n)
     if out is not None:
-        _check_tensor("out", out, _OUT_DTYPES, n)
+        check_tensor("out", out, _OUT_DTYPES, n)
     q8 = exp_avg.dtype == torch.uint8
     for name, sc in (("exp_avg_scales", exp_avg_scales), ("exp_avg_sq_scales", exp_avg_sq_scales)):
         if q8 and sc is None:
@@ -176,8 +197,8 @@ def check_args(
                 f"these are {exp_avg.dtype}"
             )
         if q8:
-            _check_tensor(name, sc, _F32, None)
-            assert sc is not None  # _check_tensor raised otherwise
+            check_tensor(name, sc, _F32, None)
+            assert sc is not None  # check_tensor raised otherwise
             if sc.numel() != num_blocks(n):
                 raise ValueError(
                     f"fused_adamw_: `{name}` has {sc.numel()} elements; {n} moment elements "
@@ -264,11 +285,9 @@ def fused_adamw_(
             offset=offset,
         )
         return
-    torch_threads = torch.get_num_threads()
-    threads = int(num_threads or torch_threads)
+    threads, torch_pool = pool(num_threads)
     ext.fused_adamw(
         param, grad, exp_avg, exp_avg_sq, out, int(step), float(lr), float(betas[0]),
         float(betas[1]), float(eps), float(weight_decay), bool(decoupled), float(grad_scale),
-        threads, exp_avg_scales, exp_avg_sq_scales, key, offset,
-        threads == torch_threads and threading.current_thread() is threading.main_thread(),
+        threads, exp_avg_scales, exp_avg_sq_scales, key, offset, torch_pool,
     )

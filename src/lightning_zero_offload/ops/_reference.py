@@ -80,18 +80,9 @@ def _compact_(param, grad, exp_avg, exp_avg_sq, m_scales, v_scales, key, offset,
     param, grad, exp_avg, exp_avg_sq = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))
     if hp["out"] is not None:
         hp["out"] = hp["out"].view(-1)
-    if exp_avg.dtype == torch.bfloat16:
-        m, v = exp_avg.float(), exp_avg_sq.float()
-    else:
-        m, v = _mom.decode_q8(exp_avg, m_scales, exp_avg_sq, v_scales)
+    md = "bf16" if exp_avg.dtype == torch.bfloat16 else "int8"
+    scales = (m_scales, v_scales) if md == "int8" else ()
+    state = _mom.Moments(md, exp_avg, exp_avg_sq, scales=scales, offset=offset)
+    m, v = state.to_fp32()
     _step_fp32_(param, grad, m, v, compact=True, **hp)
-    r = _mom.random_bits(key, offset, param.numel())
-    if exp_avg.dtype == torch.bfloat16:
-        exp_avg.copy_(_mom.encode_bf16(m, r & 0xFFFF))
-        exp_avg_sq.copy_(_mom.encode_bf16(v, r >> 16))
-        return
-    mc, sm, vc, sv = _mom.encode_q8(m, _mom._sqrt(v), r)
-    exp_avg.copy_(mc)
-    m_scales.copy_(sm)
-    exp_avg_sq.copy_(vc)
-    v_scales.copy_(sv)
+    state.round_from_((m, v), key)

@@ -6,11 +6,11 @@ A rule's state is one or two moment arrays (Adam: ``exp_avg`` and ``exp_avg_sq``
 - ``"fp32"``: fp32 arrays, exact (4 bytes per element and moment).
 - ``"bf16"``: bf16 arrays (2 bytes per element and moment), written with stochastic rounding.
 - ``"int8"``: one byte per element and moment plus one fp32 scale per block of ``BLOCK`` (256)
-  elements and moment (1 + 4/256 bytes per element and moment). Block-wise quantization after Dettmers et
-  al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022): each block is normalized by
-  its absolute maximum, and the codes are non-linear so that small values survive. Ours are small
-  floats relative to the block scale, cheap to encode in SIMD: ``exp_avg`` is sign + E4M3
-  (magnitudes from 2^-17 to 1.875 scales); ``exp_avg_sq`` is stored as its square root in
+  elements and moment (1 + 4/256 bytes per element and moment). Block-wise quantization after
+  Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022): each block is
+  normalized by its absolute maximum, and the codes are non-linear so that small values survive.
+  Ours are small floats relative to the block scale, cheap to encode in SIMD: ``exp_avg`` is sign
+  + E4M3 (magnitudes from 2^-17 to 1.875 scales); ``exp_avg_sq`` is stored as its square root in
   unsigned E4M4 (2^-18 to 1.9375 scales), so v keeps 32 binades. A block holding a non-finite
   value stores scale NaN and reads back all NaN; a block whose largest magnitude is 0 or below
   2^-126 reads back 0.
@@ -177,29 +177,6 @@ def _expand(per_block: torch.Tensor, n: int) -> torch.Tensor:
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
     # Correctly rounded, as the kernel's IEEE sqrt (torch's vectorized float sqrt is not always).
     return v.double().sqrt().float()
-
-
-def encode_q8(m: torch.Tensor, sq: torch.Tensor, r: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 exp_avg and sqrt(exp_avg_sq) -> (m codes, m scales, v codes, v scales).
-
-    ``r``: 32 random bits per element (low half rounds m, high half v).
-    """
-    n = m.numel()
-    sm, im = _block_scales(m, _MAX_M)
-    ss, iv = _block_scales(sq, _MAX_S)
-    mc = _enc_m(m, _expand(im, n), r & 0xFFFF)
-    vc = _enc_mag(sq * _expand(iv, n), r >> 16, 4)
-    return mc.to(torch.uint8), sm, vc.to(torch.uint8), ss
-
-
-def decode_q8(m_codes: torch.Tensor, m_scales: torch.Tensor, v_codes: torch.Tensor,
-              v_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit moments -> fp32 (exp_avg, exp_avg_sq), exactly as the kernel reads them."""
-    n = m_codes.numel()
-    m = _dec_m(m_codes) * _expand(m_scales, n)
-    s = _dec_mag(v_codes.to(torch.int64), 4) * _expand(v_scales, n)
-    return m, s * s
 
 
 def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
@@ -393,6 +370,24 @@ class Moments:
         for mine, views in ((self.arrays, view.arrays), (self.scales, view.scales)):
             for name in list(mine):
                 mine[name] = views.pop(name).clone()  # the old storage goes with its last view
+
+    def round_from_(self, arrays32: tuple[torch.Tensor, ...], key: int) -> None:
+        """Store fp32 arrays (in :attr:`names` order) into this state as the kernels do after
+        a step: stochastically rounded with the bits of ``(key, offset + i)``, the i-th array
+        with the low (i = 0) or high (i = 1) half; fp32 copies. A pure-torch kernel's store."""
+        if self.moment_dtype == "fp32":
+            for dst, x in zip(self.arrays.values(), arrays32, strict=True):
+                dst.copy_(x)
+            return
+        r = random_bits(key, self.offset, self.numel)
+        for i, (name, x) in enumerate(zip(self.names, arrays32, strict=True)):
+            r16 = (r >> 16) if i else (r & 0xFFFF)
+            if self.moment_dtype == "bf16":
+                self.arrays[name].copy_(encode_bf16(x, r16))
+            else:
+                codes, scales = _encode(x, _codec(name), r16)
+                self.arrays[name].copy_(codes)
+                self.scales[name].copy_(scales)
 
     @classmethod
     def named(cls, moment_dtype: str, fields: Mapping[str, Any],
