@@ -43,6 +43,7 @@ from lightning_zero_offload.config_env import build_config, load_config_file  # 
 from lightning_zero_offload.core import ZeroOffload  # noqa: E402
 from lightning_zero_offload.core.profile import FIELDS  # noqa: E402
 from lightning_zero_offload.transformers.args import enabled, with_zero_offload  # noqa: E402
+from lightning_zero_offload.transformers.optim import optimizer_for  # noqa: E402
 
 __all__ = ["ZeroOffloadTrainingArguments", "ZeroOffloadMixin", "ZeroOffloadTrainer",
            "with_zero_offload"]  # and ZeroOffloadSFTConfig, built on first access (needs TRL)
@@ -114,6 +115,15 @@ class ZeroOffloadMixin(_TrainerBase):
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         if self._zero_offload_plugin() is None:
             super()._move_model_to_device(model, device)
+
+    @override
+    def get_optimizer_cls_and_kwargs(self, args: Any, model: nn.Module | None = None
+                                     ) -> tuple[Any, Any]:
+        """Under ZeRO-Offload, an ``optim`` the engine implements with another package's
+        optimizer gets that one (``transformers.optim``); everything else is the Trainer's."""
+        mine = optimizer_for(args) if self._zero_offload_plugin() is not None else None
+        return mine if mine is not None else super().get_optimizer_cls_and_kwargs(
+            args, model)  # type: ignore[arg-type]
 
     @override
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

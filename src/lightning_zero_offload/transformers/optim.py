@@ -1,0 +1,24 @@
+"""The Trainer's ``optim`` names that the engine trains with an optimizer of its own choosing.
+
+Some ``TrainingArguments.optim`` values name an optimizer from a package the engine does not use
+(bitsandbytes' for ``"lion_32bit"``) although an update rule of the engine (``core.rules``)
+implements the same update. Under ZeRO-Offload the Trainer gets that rule's optimizer instead,
+built from the same arguments (the learning rate, and the betas the Trainer would pass); the
+Trainer's param groups bring the weight decay. Every other name goes to the Trainer as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# optim name -> (TrainingArguments -> (optimizer class, keyword arguments))
+OPTIMS: dict[str, Callable[[Any], tuple[type, dict[str, Any]]]] = {}
+
+
+def optimizer_for(args: Any) -> tuple[type, dict[str, Any]] | None:
+    """The optimizer class and keyword arguments the engine uses for ``args.optim``, or None
+    where the Trainer's own choice stands."""
+    name = getattr(args.optim, "value", args.optim)  # an OptimizerNames member or a string
+    make = OPTIMS.get(name)
+    return None if make is None else make(args)
