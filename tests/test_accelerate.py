@@ -355,6 +355,14 @@ def test_adamw_subclass_matches_plain_accelerate():
     _check(total_rel_err(ours, plain), plain_norms, our_norms)
 
 
+def test_lion_matches_plain_accelerate():
+    lion = pytest.importorskip("lion_pytorch").Lion
+    plain, plain_norms = _train(False, opt_cls=lion)
+    reset_accelerate()
+    ours, our_norms = _train(True, opt_cls=lion)
+    _check(total_rel_err(ours, plain), plain_norms, our_norms)
+
+
 def test_bf16_trains_and_saves_fp32_master_weights():
     reset_accelerate()
     accelerator = Accelerator(mixed_precision="bf16")

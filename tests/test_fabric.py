@@ -114,6 +114,19 @@ def test_adamw_subclass_matches_plain_fabric():
         make("zero_offload", optimizer_cls=OwnStepAdamW)
 
 
+def test_lion_matches_plain_fabric():
+    lion = pytest.importorskip("lion_pytorch").Lion
+    data = batches()
+    plain = make("auto", optimizer_cls=lion)
+    train(*plain, data, steps=3)
+    offload = make("zero_offload", optimizer_cls=lion)
+    train(*offload, data, steps=3)
+    offload[0].strategy.teardown()
+    ref = weights(plain[1])
+    for k, v in weights(offload[1]).items():
+        assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
+
+
 def test_precision_is_fabrics_and_an_explicit_other_one_raises():
     from lightning_zero_offload import ZeroOffloadConfig
 

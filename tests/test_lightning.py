@@ -83,6 +83,9 @@ class Net(LightningModule):
         params = self.parameters()
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.hparams.lr)
+        if self.hparams.optimizer == "lion":
+            from lion_pytorch import Lion
+            return Lion(params, lr=self.hparams.lr / 10, weight_decay=0.01)
         adamw = SubAdamW if self.hparams.optimizer == "adamw_subclass" else torch.optim.AdamW
         optimizer = adamw(params, lr=self.hparams.lr, weight_decay=0.01)
         form = self.hparams.scheduler  # Lightning's return forms
@@ -470,6 +473,15 @@ def test_adamw_subclass_trains_like_the_default_strategy(tmp_path):
     ref, _ = fit(Net, "auto", tmp_path / "ref", **kwargs)
     off, t = fit(ProfiledNet, "zero_offload", tmp_path / "off", **kwargs)
     assert type(off.engine.optimizer).__name__ == "SubAdamW"
+    assert_close(weights(off), weights(ref))
+
+
+def test_lion_from_configure_optimizers_trains_like_the_default_strategy(tmp_path):
+    pytest.importorskip("lion_pytorch")
+    kwargs = {"model_kwargs": {"optimizer": "lion"}}
+    ref, _ = fit(Net, "auto", tmp_path / "ref", **kwargs)
+    off, _ = fit(ProfiledNet, "zero_offload", tmp_path / "off", **kwargs)
+    assert type(off.engine.optimizer).__name__ == "Lion"
     assert_close(weights(off), weights(ref))
 
 

@@ -234,6 +234,24 @@ def test_adamw_subclass_matches_plain_trainer(tmp_path):
     assert total_rel_err(_master(ours), _master(plain)) < 1e-5
 
 
+def test_optim_lion_32bit_trains_with_lion_pytorch(tmp_path):
+    """optim="lion_32bit" (bitsandbytes' Lion in a plain Trainer) trains under ZeRO-Offload
+    with lion_pytorch.Lion, as a plain Trainer given lion_pytorch.Lion with the same arguments."""
+    lion = pytest.importorskip("lion_pytorch").Lion
+    args = _args(tmp_path / "plain", optim="lion_32bit", learning_rate=2e-3)
+    plain = Trainer(model=_model(), args=args, train_dataset=_Data(),
+                    optimizer_cls_and_kwargs=(lion, {"lr": 2e-3, "betas": (0.9, 0.999)}))
+    plain.train()
+    reset_accelerate()
+    ours = ZeroOffloadTrainer(model=_model(), train_dataset=_Data(), args=_args(
+        tmp_path / "zo", ZeroOffloadTrainingArguments, zero_offload=True, optim="lion_32bit",
+        learning_rate=2e-3))
+    ours.train()
+    assert type(ours.zero_offload_engine.optimizer).__name__ == "Lion"
+    assert _history(ours)[0] == pytest.approx(_history(plain)[0], rel=1e-5)
+    assert total_rel_err(_master(ours), _master(plain)) < 1e-5
+
+
 def _compare_trainers(rank: int, world: int, out: str) -> tuple:
     os.environ["ACCELERATE_USE_CPU"] = "true"
     plain = Trainer(model=_model(), args=_args(f"{out}/plain"), train_dataset=_Data())

@@ -1,4 +1,5 @@
-// Fused AdamW over flat arrays: shared declarations and the canonical per-element formula.
+// Fused AdamW and Lion over flat arrays: shared declarations and the canonical per-element
+// formulas.
 //
 // No torch headers here: the ISA files compile some functions for AVX2/AVX-512 with target
 // attributes, and must not instantiate shared inline code (ODR) under those targets.
@@ -78,26 +79,57 @@ struct ProbeArgs {
   float scale;
 };
 
+// Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023), as lion_pytorch
+// computes it in fp32: p *= decay; p -= lr * sign(beta1 * m + (1 - beta1) * g);
+// m = beta2 * m + (1 - beta2) * g. One moment, stored like Adam's exp_avg (see compact.h).
+struct LionConsts {
+  float grad_scale;
+  float decay;    // 1 - lr * weight_decay, in double as lion_pytorch computes it
+  float beta1;
+  float omb1;     // 1 - beta1
+  float beta2;
+  float omb2;     // 1 - beta2
+  float neg_lr;   // -lr
+};
+
+struct LionArgs {
+  float* param;
+  void* m;           // kMomF32: float; kMomBF16: uint16 bf16 bits; kMomQ8: uint8 codes
+  float* m_scale;    // kMomQ8: ceil(n / kBlock) scales
+  const void* grad;
+  void* out;         // null, or exactly `grad` (see AdamArgs::out)
+  Dtype grad_dtype;
+  Dtype out_dtype;
+  Moment moment;
+  LionConsts c;
+  uint32_t key;
+  int64_t offset;
+};
+
 using AdamFn = void (*)(const AdamArgs&, int64_t begin, int64_t end);
+using LionFn = void (*)(const LionArgs&, int64_t begin, int64_t end);
 using ProbeFn = void (*)(const ProbeArgs&, int64_t begin, int64_t end);
 
 void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end);
 void compact_scalar(const AdamArgs& a, int64_t begin, int64_t end);
+void lion_scalar(const LionArgs& a, int64_t begin, int64_t end);
 void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end);
 #if LZO_X86
 void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end);
 void compact_avx2(const AdamArgs& a, int64_t begin, int64_t end);
+void lion_avx2(const LionArgs& a, int64_t begin, int64_t end);
 void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end);
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end);
 void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end);
+void lion_avx512(const LionArgs& a, int64_t begin, int64_t end);
 void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end);
 void compact_avx512bf16(const AdamArgs& a, int64_t begin, int64_t end);
 #endif
 
 // Runs the instantiation of an ISA's loop that fits the run-time dtypes. `Loop<G, O>::run` is
 // each ISA file's own (in its anonymous namespace, so every file gets its own dispatcher).
-template <template <Dtype, Dtype> class Loop, Dtype G>
-inline void dispatch_out(const AdamArgs& a, int64_t begin, int64_t end) {
+template <template <Dtype, Dtype> class Loop, Dtype G, class Args>
+inline void dispatch_out(const Args& a, int64_t begin, int64_t end) {
   switch (a.out_dtype) {
     case kBF16: return Loop<G, kBF16>::run(a, begin, end);
     case kF16: return Loop<G, kF16>::run(a, begin, end);
@@ -105,8 +137,8 @@ inline void dispatch_out(const AdamArgs& a, int64_t begin, int64_t end) {
   }
 }
 
-template <template <Dtype, Dtype> class Loop>
-inline void dispatch_dtypes(const AdamArgs& a, int64_t begin, int64_t end) {
+template <template <Dtype, Dtype> class Loop, class Args>
+inline void dispatch_dtypes(const Args& a, int64_t begin, int64_t end) {
   switch (a.grad_dtype) {
     case kBF16: return dispatch_out<Loop, kBF16>(a, begin, end);
     case kF16: return dispatch_out<Loop, kF16>(a, begin, end);

@@ -162,6 +162,11 @@ struct V8 {
 
 template <Dtype G, Dtype O>
 struct CLoop : CompactLoop<V8, G, O> {};
+
+#include "lion.h"
+
+template <Dtype G, Dtype O>
+struct LLoop : LionLoop<V8, G, O> {};
 }  // namespace
 
 void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
@@ -170,6 +175,10 @@ void adamw_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
 
 void compact_avx2(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<CLoop>(a, begin, end);
+}
+
+void lion_avx2(const LionArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<LLoop>(a, begin, end);
 }
 
 LZO_TARGET void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end) {

@@ -56,6 +56,11 @@ struct Loop {
 
 template <Dtype G, Dtype O>
 struct CLoop : CompactLoop<V16, G, O> {};
+
+#include "lion.h"
+
+template <Dtype G, Dtype O>
+struct LLoop : LionLoop<V16, G, O> {};
 }  // namespace
 
 void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
@@ -64,6 +69,10 @@ void adamw_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
 
 void compact_avx512(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<CLoop>(a, begin, end);
+}
+
+void lion_avx512(const LionArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<LLoop>(a, begin, end);
 }
 
 LZO_TARGET void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end) {

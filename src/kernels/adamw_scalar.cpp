@@ -37,6 +37,11 @@ struct Loop {
 template <Dtype G, Dtype O>
 struct CLoop : CompactLoop<S1, G, O> {};
 
+#include "lion.h"
+
+template <Dtype G, Dtype O>
+struct LLoop : LionLoop<S1, G, O> {};
+
 }  // namespace
 
 void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
@@ -45,6 +50,10 @@ void adamw_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
 
 void compact_scalar(const AdamArgs& a, int64_t begin, int64_t end) {
   dispatch_dtypes<CLoop>(a, begin, end);
+}
+
+void lion_scalar(const LionArgs& a, int64_t begin, int64_t end) {
+  dispatch_dtypes<LLoop>(a, begin, end);
 }
 
 void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end) {

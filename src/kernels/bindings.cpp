@@ -25,6 +25,7 @@ struct Isa {
   const char* name;
   lzo::AdamFn adam;
   lzo::AdamFn compact;
+  lzo::LionFn lion;
   lzo::ProbeFn probe;
   bool supported;
 };
@@ -39,16 +40,19 @@ std::vector<Isa> detect() {
     if (__builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16")) {
       // compact moments' bf16 out in one instruction; everything else is the avx512 path
       isas.push_back({"avx512bf16", lzo::adamw_avx512, lzo::compact_avx512bf16,
-                      lzo::probe_avx512, true});
+                      lzo::lion_avx512, lzo::probe_avx512, true});
     }
-    isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::probe_avx512, true});
+    isas.push_back({"avx512", lzo::adamw_avx512, lzo::compact_avx512, lzo::lion_avx512,
+                    lzo::probe_avx512, true});
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c")) {
-    isas.push_back({"avx2", lzo::adamw_avx2, lzo::compact_avx2, lzo::probe_avx2, true});
+    isas.push_back({"avx2", lzo::adamw_avx2, lzo::compact_avx2, lzo::lion_avx2, lzo::probe_avx2,
+                    true});
   }
 #endif
-  isas.push_back({"scalar", lzo::adamw_scalar, lzo::compact_scalar, lzo::probe_scalar, true});
+  isas.push_back({"scalar", lzo::adamw_scalar, lzo::compact_scalar, lzo::lion_scalar,
+                  lzo::probe_scalar, true});
   return isas;
 }
 
@@ -304,6 +308,51 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
   parallel_for(n, num_threads, [&](int64_t b, int64_t e) { fn(a, b, e); }, torch_pool);
 }
 
+// One fused Lion step (see LionArgs); the checks as fused_adamw's.
+void fused_lion(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
+                c10::optional<torch::Tensor> out, double lr, double beta1, double beta2,
+                double decay, double grad_scale, int64_t num_threads,
+                c10::optional<torch::Tensor> exp_avg_scales, int64_t key, int64_t offset,
+                bool torch_pool) {
+  const int64_t n = param.numel();
+  TORCH_CHECK(param.scalar_type() == torch::kFloat, "param must be float32");
+  const lzo::Moment moment = moment_of(exp_avg, exp_avg);
+  check(param, "param", n);
+  check(grad, "grad", n);
+  check(exp_avg, "exp_avg", n);
+  TORCH_CHECK(offset >= 0, "offset must be >= 0");
+  lzo::LionArgs a{};
+  a.param = param.data_ptr<float>();
+  a.moment = moment;
+  a.m = exp_avg.data_ptr();
+  const bool q8 = moment == lzo::kMomQ8;
+  TORCH_CHECK(q8 == exp_avg_scales.has_value(), "scales are given exactly for uint8 moments");
+  if (q8) {
+    TORCH_CHECK(offset % lzo::kBlock == 0, "offset must be a multiple of ", lzo::kBlock);
+    TORCH_CHECK(exp_avg_scales->scalar_type() == torch::kFloat, "scales must be float32");
+    check(*exp_avg_scales, "scales", (n + lzo::kBlock - 1) / lzo::kBlock);
+    a.m_scale = exp_avg_scales->data_ptr<float>();
+  }
+  a.key = static_cast<uint32_t>(key);
+  a.offset = offset;
+  a.grad = grad.data_ptr();
+  a.grad_dtype = dtype_of(grad);
+  a.out_dtype = lzo::kNone;
+  if (out.has_value()) {
+    check(*out, "out", n);
+    a.out_dtype = dtype_of(*out);
+    TORCH_CHECK(a.out_dtype != lzo::kF32, "out must be bfloat16 or float16");
+    a.out = out->data_ptr();
+  }
+  // Python floats rounded to float where they meet a float32 tensor, as in lion_pytorch.
+  a.c = {static_cast<float>(grad_scale), static_cast<float>(decay), static_cast<float>(beta1),
+         static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+         static_cast<float>(1.0 - beta2), static_cast<float>(-lr)};
+  const lzo::LionFn fn = isas()[g_isa.load()].lion;
+  py::gil_scoped_release no_gil;
+  parallel_for(n, num_threads, [&](int64_t b, int64_t e) { fn(a, b, e); }, torch_pool);
+}
+
 // Streaming-bandwidth probe (see ProbeArgs): a, b, c fp32 += g * scale in place, g bf16 read,
 // out bf16 written. The machine's ceiling for the fused step's access pattern.
 void stream_probe(torch::Tensor a, torch::Tensor b, torch::Tensor c, torch::Tensor g,
@@ -326,8 +375,9 @@ void stream_probe(torch::Tensor a, torch::Tensor b, torch::Tensor c, torch::Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lightning-zero-offload fused CPU AdamW kernel";
+  m.doc() = "lightning-zero-offload fused CPU AdamW and Lion kernels";
   m.def("fused_adamw", &fused_adamw, "One fused AdamW/Adam step over flat CPU tensors");
+  m.def("fused_lion", &fused_lion, "One fused Lion step over flat CPU tensors");
   m.def("stream_probe", &stream_probe, "Streaming-bandwidth probe with the step's access pattern");
   m.def("torch_pool_available", &torch_pool_available,
         "Whether the kernel can run on torch's intra-op (OpenMP) pool");

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from lightning_zero_offload.core.adam import Adam
+from lightning_zero_offload.core.lion import Lion
 from lightning_zero_offload.core.rule import Rule
 
-RULES: tuple[type[Rule], ...] = (Adam,)
+RULES: tuple[type[Rule], ...] = (Adam, Lion)
 
 
 def rule_for(optimizer: torch.optim.Optimizer) -> Rule:

@@ -12,8 +12,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+
+def _lion(args: Any) -> tuple[type, dict[str, Any]]:
+    """bitsandbytes' 32-bit Lion, as lion_pytorch's: the same update (the Trainer passes it the
+    learning rate and ``adam_beta1``/``adam_beta2`` as its betas)."""
+    try:
+        from lion_pytorch import Lion
+    except ImportError:
+        raise ImportError("optim='lion_32bit' under ZeRO-Offload trains with lion_pytorch.Lion: "
+                          "pip install lion-pytorch (or lightning-zero-offload[all])") from None
+    return Lion, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2)}
+
+
 # optim name -> (TrainingArguments -> (optimizer class, keyword arguments))
-OPTIMS: dict[str, Callable[[Any], tuple[type, dict[str, Any]]]] = {}
+OPTIMS: dict[str, Callable[[Any], tuple[type, dict[str, Any]]]] = {"lion_32bit": _lion}
 
 
 def optimizer_for(args: Any) -> tuple[type, dict[str, Any]] | None:

@@ -1,0 +1,162 @@
+"""The Lion rule: ``lion_pytorch.Lion`` (Chen et al., "Symbolic Discovery of Optimization
+Algorithms", 2023), its subclasses that keep its ``step`` included.
+
+Lion keeps one moment, ``exp_avg`` (in any ``moment_dtype``: stored as Adam's first moment is),
+and steps every weight by the learning rate times the sign of an interpolation of the moment and
+the gradient::
+
+    p *= 1 - lr * wd;  p -= lr * sign(beta1 * m + (1 - beta1) * g);  m = beta2 * m + (1 - beta2) * g
+
+``wd`` is the group's ``weight_decay``, divided by the optimizer's initial ``lr`` when it was made
+with ``decoupled_weight_decay=True``, as lion_pytorch does. The host update is the fused C++
+kernel (``src/kernels/lion.h``; :func:`fused_lion_`), the device update torch's ops in the same
+order; both follow lion_pytorch's fp32 arithmetic. ``lion_pytorch`` is needed only by the user
+who builds the optimizer: this module never imports it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload import ops
+from lightning_zero_offload.core.rule import Rule, check_keeps_step
+from lightning_zero_offload.ops import Moments, rng_key
+
+_GRAD = (torch.float32, torch.bfloat16, torch.float16)
+_STORED = (torch.float32, torch.bfloat16, torch.uint8)
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One group's hyperparameters for one step, as plain numbers."""
+
+    lr: float
+    betas: tuple[float, float]
+    decay: float  # 1 - lr * wd, in double as lion_pytorch computes it
+
+
+def _lion_class() -> type | None:
+    module = sys.modules.get("lion_pytorch")  # imported by whoever made a Lion optimizer
+    return getattr(module, "Lion", None)
+
+
+class Lion(Rule):
+    NAME = "Lion"
+    KEY = "lion"
+    STATE = ("exp_avg",)
+    OPTIMIZERS = "lion_pytorch.Lion"
+    DEFAULTS = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
+
+    def __init__(self, wd_divisor: float = 1.0) -> None:
+        self.wd_divisor = wd_divisor  # the initial lr with decoupled_weight_decay=True, else 1
+
+    @classmethod
+    def accepts(cls, optimizer: torch.optim.Optimizer) -> bool:
+        lion = _lion_class()
+        return lion is not None and isinstance(optimizer, lion)
+
+    @classmethod
+    def for_optimizer(cls, optimizer: torch.optim.Optimizer) -> Lion:
+        lion = _lion_class()
+        assert lion is not None
+        check_keeps_step(optimizer, lion, "lion_pytorch.Lion")
+        update = getattr(optimizer, "update_fn", None)
+        if getattr(update, "__module__", "") not in ("lion_pytorch.lion_pytorch",
+                                                     "lion_pytorch.triton"):
+            raise TypeError(f"ZeroOffload: {type(optimizer).__name__} replaces Lion's update_fn, "
+                            "which the fused CPU step would not run; use lion_pytorch.Lion's")
+        init_lr = float(getattr(optimizer, "_init_lr", 1.0))
+        return cls(init_lr if getattr(optimizer, "decoupled_wd", False) else 1.0)
+
+    def check_hparams(self, groups: list[dict]) -> None:
+        for i, g in enumerate(groups):
+            try:
+                lr, wd = float(g["lr"]), float(g["weight_decay"])
+                b1, b2 = (float(b) for b in g["betas"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"ZeroOffload: param group {i} has a malformed hyperparameter "
+                                 f"({e!r}); lr, weight_decay and betas must be numbers") from None
+            bad = [f"{k}={v!r}" for k, v, ok in (
+                ("lr", lr, lr >= 0 and math.isfinite(lr)),
+                ("weight_decay", wd, wd >= 0 and math.isfinite(wd)),
+                ("betas[0]", b1, 0 <= b1 <= 1), ("betas[1]", b2, 0 <= b2 <= 1)) if not ok]
+            if bad:
+                raise ValueError(f"ZeroOffload: param group {i} has {', '.join(bad)}; Lion "
+                                 "needs lr >= 0, weight_decay >= 0 and 0 <= betas <= 1. "
+                                 "Nothing was updated.")
+
+    def hyper(self, group: dict) -> Hyper:
+        lr = float(group["lr"])
+        wd = float(group["weight_decay"]) / self.wd_divisor
+        return Hyper(lr, (float(group["betas"][0]), float(group["betas"][1])), 1.0 - lr * wd)
+
+    def host_update(self, master: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
+                    grad_scale: float, out: Tensor | None, threads: int, seed: int) -> None:
+        fused_lion_(master, grad, state, hp, step=step, grad_scale=grad_scale, out=out,
+                    num_threads=threads, seed=seed)
+
+    def device_update(self, master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Hyper, *,
+                      step: int, grad_scale: float) -> None:
+        (exp_avg,) = state
+        g = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad.mul(grad_scale)
+        _lion_torch_(master, g, exp_avg, hp)
+
+
+def _lion_torch_(p: Tensor, g: Tensor, m: Tensor, hp: Hyper) -> None:
+    """lion_pytorch's update in torch ops (fp32 tensors, ``g`` already scaled)."""
+    b1, b2 = hp.betas
+    p.mul_(hp.decay)
+    p.add_(m.mul(b1).add_(g, alpha=1.0 - b1).sign_(), alpha=-hp.lr)
+    m.mul_(b2).add_(g, alpha=1.0 - b2)
+
+
+def fused_lion_(param: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
+                grad_scale: float = 1.0, out: Tensor | None = None,
+                num_threads: int | None = None, seed: int = 0) -> None:
+    """One Lion step in place over flat CPU tensors by the fused kernel (the pure-torch
+    reference where it is not built). ``state``: the ``exp_avg`` chunk (``Lion.zeros``); a
+    compact one is rounded stochastically from ``(seed, step, state.offset + i)``. ``out``
+    (bf16/fp16, or ``grad`` itself) receives the new weights rounded to nearest even. Every
+    argument is checked before anything is written."""
+    fn = "fused_lion_"
+    ops.check_tensor("param", param, (torch.float32,), None, fn)
+    n = param.numel()
+    ops.check_tensor("grad", grad, _GRAD, n, fn)
+    (m,) = state.arrays.values()
+    ops.check_tensor("exp_avg", m, _STORED, n, fn)
+    scales = state.scales.get("exp_avg")
+    if out is not None:
+        ops.check_tensor("out", out, _GRAD[1:], n, fn)
+        if out.data_ptr() != grad.data_ptr() and n and (
+                out.data_ptr() < grad.data_ptr() + grad.nbytes
+                and grad.data_ptr() < out.data_ptr() + out.nbytes):
+            raise ValueError(f"{fn}: `out` overlaps `grad` but is not exactly `grad`")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{fn}: `step` must be an int >= 1 (1-based), got {step!r}")
+    key = rng_key(seed, step) if m.dtype != torch.float32 else 0
+    threads, torch_pool = ops.pool(num_threads)
+    ext = ops.kernel()
+    if ext is None:
+        _reference_(param, grad, state, hp, grad_scale=grad_scale, out=out, key=key)
+        return
+    ext.fused_lion(param, grad, m, out, hp.lr, hp.betas[0], hp.betas[1], hp.decay,
+                   float(grad_scale), threads, scales, key, state.offset, torch_pool)
+
+
+def _reference_(param: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, grad_scale: float,
+                out: Tensor | None, key: int) -> None:
+    """The kernel's semantics in torch: lion_pytorch's fp32 update on the dequantized moment,
+    stored back with the kernels' stochastic rounding. ``out`` may be ``grad`` itself: ``grad``
+    is read first."""
+    g = grad.float() * grad_scale
+    (m,) = state.to_fp32()
+    _lion_torch_(param, g, m, hp)
+    state.round_from_((m,), key)
+    if out is not None:
+        out.copy_(param)
