@@ -22,8 +22,9 @@ threads, SIMD path or how a buffer is cut into calls (for ``"int8"`` the cuts mu
 boundaries: offsets that are multiples of ``BLOCK``). Conversions from fp32 (``Moments.from_fp32``,
 for loading a ``torch.optim.AdamW`` state) round to nearest instead; ``to_fp32`` is exact.
 
-Everything here is pure torch; ``_reference`` uses the same encoders, and the C++ kernel
-(``src/kernels/compact.h``) implements them operation for operation.
+Everything here is pure torch; the codes and rounding bits are ``ops.codes``'s, which the
+reference kernels use too and the C++ kernel (``src/kernels/compact.h``) implements operation
+for operation.
 """
 
 from __future__ import annotations
@@ -33,17 +34,25 @@ from typing import Any
 
 import torch
 
+from lightning_zero_offload.ops.codes import (
+    BLOCK,
+    SIGNED,
+    SQRT,
+    decode,
+    encode,
+    encode_bf16,
+    num_blocks,
+    random_bits,
+    rng_key,
+)
+
 __all__ = [
     "ADAM", "BLOCK", "MOMENT_DTYPES", "Moments", "array_bytes", "moment_bytes", "num_blocks",
     "rng_key",
 ]
 
-BLOCK = 256
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
-_MASK = 0xFFFFFFFF
-_MAX_M = 1.875  # largest E4M3 magnitude
-_MAX_S = 1.9375  # largest E4M4 value
 _NEAREST = 0x8000  # rounding bits that make the encoders round to nearest
 
 
@@ -54,137 +63,10 @@ def _check_dtype(moment_dtype: str) -> None:
         )
 
 
-def num_blocks(numel: int) -> int:
-    """Number of 8-bit blocks (and scales per moment) for ``numel`` elements."""
-    return -(-numel // BLOCK)
-
-
 def moment_bytes(numel: int, moment_dtype: str, arrays: int = 2) -> int:
     """Exact bytes of ``arrays`` state arrays (Adam: both moments) for ``numel`` elements,
     scales and a partial last block included (what ``Moments.zeros`` allocates)."""
     return arrays * array_bytes(numel, moment_dtype)
-
-
-# --- 32-bit integer helpers on int64 tensors (exact, mod 2^32) --------------------------------
-
-
-def _hash32_int(x: int) -> int:
-    x &= _MASK
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _MASK
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _MASK
-    return x ^ (x >> 16)
-
-
-def rng_key(seed: int, step: int) -> int:
-    """The 32-bit stochastic-rounding key of one step (a new stream every step and seed)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    k = _hash32_int(seed ^ 0x9E3779B9)
-    k = _hash32_int(k ^ (seed >> 32))
-    k = _hash32_int(k ^ step)
-    return _hash32_int(k ^ (step >> 32))
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    # (x * c) mod 2^32 without overflowing int64: split c into 16-bit halves.
-    lo = x * (c & 0xFFFF)
-    hi = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (lo + hi) & _MASK
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    # The kernel's per-element hash (compact.h, hash_v): a bijection of 32 bits.
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def random_bits(key: int, offset: int, numel: int) -> torch.Tensor:
-    """The kernel's 32 random bits of elements ``offset .. offset + numel - 1`` (int64): the
-    hash of ``(index + key) mod 2^32``."""
-    idx = (torch.arange(numel, dtype=torch.int64) + offset + key) & _MASK
-    return _hash32(idx)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int32).to(torch.int64) & _MASK
-
-
-def _float(bits: torch.Tensor) -> torch.Tensor:
-    b = bits & _MASK
-    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
-
-
-# --- the codes ---------------------------------------------------------------------------------
-
-
-def _enc_mag(x: torch.Tensor, r16: torch.Tensor, mb: int) -> torch.Tensor:
-    """|x| (float32, in block-scale units) -> E4M{mb} code, rounding bits r16 in [0, 2^16).
-
-    Below 2^-14 x is shifted up by 2^-14 into the lowest binade (whose grid is the subnormal
-    step), rounded there, and shifted back by 2^mb codes."""
-    ax = _bits(x) & 0x7FFFFFFF
-    sub = ax < (113 << 23)
-    xa = _float(ax)
-    y = torch.where(sub, xa + torch.full_like(xa, 2.0**-14), xa)
-    q = ((_bits(y) + (r16 << (7 - mb))) >> (23 - mb)) - torch.where(
-        sub, (112 << mb) + (1 << mb), 112 << mb)
-    return q.clamp(max=(1 << (4 + mb)) - 1)
-
-
-def _dec_mag(c: torch.Tensor, mb: int) -> torch.Tensor:
-    sub = c < (1 << mb)
-    x = _float((torch.where(sub, c + (1 << mb), c) << (23 - mb)) + (112 << 23))
-    return torch.where(sub, x - torch.full_like(x, 2.0**-14), x)
-
-
-def _dec_m(codes: torch.Tensor) -> torch.Tensor:
-    c = codes.to(torch.int64)
-    mag = _dec_mag(c & 0x7F, 3)
-    return _float(_bits(mag) | ((c & 0x80) << 24))
-
-
-def _enc_m(m: torch.Tensor, inv: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    bits = _bits(m)
-    mag = _float(bits & 0x7FFFFFFF) * inv
-    return _enc_mag(mag, r16, 3) | ((bits & 0x80000000) >> 24)
-
-
-def _block_scales(x: torch.Tensor, maxcode: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block (scale, inverse) from the max of |x|'s bits, as the kernel computes them."""
-    n = x.numel()
-    padded = torch.zeros(num_blocks(n) * BLOCK, dtype=torch.int64)
-    padded[:n] = _bits(x) & 0x7FFFFFFF
-    maxbits = padded.view(-1, BLOCK).amax(dim=1) if n else padded[:0]
-    absmax = _float(maxbits)
-    mc = torch.full_like(absmax, maxcode)
-    bad = maxbits >= 0x7F800000
-    tiny = maxbits < 0x00800000
-    zero = torch.zeros_like(absmax)
-    scale = torch.where(bad, torch.full_like(absmax, float("nan")),
-                        torch.where(tiny, zero, absmax / mc))
-    inv = torch.where(bad | tiny, zero, mc / absmax)
-    return scale, inv
-
-
-def _expand(per_block: torch.Tensor, n: int) -> torch.Tensor:
-    return per_block.repeat_interleave(BLOCK)[:n]
-
-
-def _sqrt(v: torch.Tensor) -> torch.Tensor:
-    # Correctly rounded, as the kernel's IEEE sqrt (torch's vectorized float sqrt is not always).
-    return v.double().sqrt().float()
-
-
-def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16, stochastically rounded with 16 random bits per element (NaN -> 0xffc0,
-    x86's default NaN, as the kernel stores it)."""
-    q = ((_bits(x) + r16) & _MASK) >> 16
-    q = torch.where(torch.isnan(x), 0xFFC0, q)
-    return torch.where(q >= 2**15, q - 2**16, q).to(torch.int16).view(torch.bfloat16)
 
 
 # --- the public container ----------------------------------------------------------------------
@@ -192,32 +74,13 @@ def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 ADAM = ("exp_avg", "exp_avg_sq")  # the default names: Adam's two moments, as torch spells them
 # How each state array is stored as 8-bit codes: sign + E4M3 of the value (a first moment), or
 # unsigned E4M4 of its square root (a second moment). A rule's state names pick their codes.
-_SIGNED, _SQRT = "signed", "sqrt"
-CODES = {"exp_avg": _SIGNED, "exp_avg_sq": _SQRT}
+CODES = {"exp_avg": SIGNED, "exp_avg_sq": SQRT}
 
 
 def _codec(name: str) -> str:
     if name not in CODES:
         raise ValueError(f"Moments: no storage code for state {name!r}; known: {sorted(CODES)}")
     return CODES[name]
-
-
-def _encode(x: torch.Tensor, codec: str, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 -> (uint8 codes, per-block scales) in ``codec``, rounding bits ``r16``."""
-    if codec == _SIGNED:
-        scale, inv = _block_scales(x, _MAX_M)
-        return _enc_m(x, _expand(inv, x.numel()), r16).to(torch.uint8), scale
-    sq = _sqrt(x)
-    scale, inv = _block_scales(sq, _MAX_S)
-    return _enc_mag(sq * _expand(inv, x.numel()), r16, 4).to(torch.uint8), scale
-
-
-def _decode(codes: torch.Tensor, scales: torch.Tensor, codec: str) -> torch.Tensor:
-    n = codes.numel()
-    if codec == _SIGNED:
-        return _dec_m(codes) * _expand(scales, n)
-    s = _dec_mag(codes.to(torch.int64), 4) * _expand(scales, n)
-    return s * s
 
 
 def array_bytes(numel: int, moment_dtype: str) -> int:
@@ -315,7 +178,7 @@ class Moments:
         for a in range(0, n, step):
             b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
             for x, c, s, name in zip(flat, codes, scales, names, strict=True):
-                c[a:b], s[blocks] = _encode(x[a:b], _codec(name), nearest[:b - a])
+                c[a:b], s[blocks] = encode(x[a:b], _codec(name), nearest[:b - a])
         return cls("int8", *codes, scales=tuple(scales), names=names)
 
     def to_fp32(self) -> tuple[torch.Tensor, ...]:
@@ -328,7 +191,7 @@ class Moments:
         for a in range(0, n, step):
             b, blocks = min(n, a + step), slice(a // BLOCK, num_blocks(min(n, a + step)))
             for x, name in zip(out, self.names, strict=True):
-                x[a:b] = _decode(self.arrays[name][a:b], self.scales[name][blocks],
+                x[a:b] = decode(self.arrays[name][a:b], self.scales[name][blocks],
                                  _codec(name))
         return out
 
@@ -385,7 +248,7 @@ class Moments:
             if self.moment_dtype == "bf16":
                 self.arrays[name].copy_(encode_bf16(x, r16))
             else:
-                codes, scales = _encode(x, _codec(name), r16)
+                codes, scales = encode(x, _codec(name), r16)
                 self.arrays[name].copy_(codes)
                 self.scales[name].copy_(scales)
 

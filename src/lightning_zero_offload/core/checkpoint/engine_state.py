@@ -212,8 +212,7 @@ class EngineState:
             states = opt["state"] if opt else {}
             steps, param_steps = [0] * len(self.group_sizes), []
             for s in self.layout.slots:
-                # a plain lion_pytorch state has no step count: counted from its load on
-                n = int(states[s.index].get("step", 1)) if s.index in states else 0
+                n = int(states[s.index].get("step", 1)) if s.index in states else 0  # Lion
                 param_steps.append(n)
                 steps[s.group] = max(steps[s.group], n)
             self.stepper.load_state_dict({"steps": steps, "param_steps": param_steps,
