@@ -17,6 +17,8 @@ It reports, from the kernel's high-water mark (``ru_maxrss``, exact, not sampled
 Run: ``PYTHONPATH=src python benchmarks/host_memory.py [--params 5e8] [--width 4096]``. Prints a
 Markdown table and writes ``benchmarks/out/host_memory.json``.
 
+``--optimizer lion`` wraps ``lion_pytorch.Lion`` instead of ``torch.optim.AdamW`` (one moment).
+
 ``--configs`` (default ``--params 1e8`` then) does the same once per configuration (moments fp32 /
 bf16 / int8 x delayed update off / on x accumulation off / on: two micro-batches a step) and
 prints the host bytes per trained parameter the engine budgets for master, moments, gradients and
@@ -53,6 +55,7 @@ from lightning_zero_offload.testing import emulated_async_device
 _build.load()
 n, d = int(float(sys.argv[1])), int(sys.argv[2])
 moment_dtype, delayed, accumulate = sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1"
+optimizer = sys.argv[6]
 proc = psutil.Process()
 rss = lambda: proc.memory_info().rss
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -61,7 +64,11 @@ torch.manual_seed(0)
 model = nn.Sequential(*[nn.Linear(d, d, bias=False) for _ in range(max(1, round(n / d**2)))])
 params = sum(p.numel() for p in model.parameters())
 with_model = rss()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+if optimizer == "lion":
+    from lion_pytorch import Lion
+    opt = Lion(model.parameters(), lr=1e-4)
+else:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 with emulated_async_device(seed=0, max_delay_ms=0.5):
     engine = zo.ZeroOffload(model, opt, precision="bf16-mixed", device="cpu",
                             moment_dtype=moment_dtype, delayed_update=delayed,
@@ -132,12 +139,13 @@ CONFIGS = [(m, d, a) for m in ("fp32", "bf16", "int8") for d in (False, True)
 
 
 def measure(params: float, width: int, moment_dtype: str = "fp32", delayed: bool = False,
-            accumulate: bool = False) -> dict:
+            accumulate: bool = False, optimizer: str = "adamw") -> dict:
     # A fixed mmap threshold: glibc would otherwise keep freed large blocks in its heap once its
     # threshold adapted upwards, which hides frees from RSS.
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
                MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    argv = [str(params), str(width), moment_dtype, str(int(delayed)), str(int(accumulate))]
+    argv = [str(params), str(width), moment_dtype, str(int(delayed)), str(int(accumulate)),
+            optimizer]
     proc = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env,
                           capture_output=True, text=True, timeout=1800)
     if proc.returncode:
@@ -160,7 +168,7 @@ def measure(params: float, width: int, moment_dtype: str = "fp32", delayed: bool
     r["floor_bytes_per_param"] = sum(
         v for k, v in r["host_budget"].items() if k not in CPU_ONLY) / n
     r["config"] = {"moment_dtype": moment_dtype, "delayed_update": delayed,
-                   "accumulate": accumulate}
+                   "accumulate": accumulate, "optimizer": optimizer}
     return r
 
 
@@ -210,7 +218,8 @@ def fractions_table(rows: list[dict], fractions: tuple = FRACTIONS) -> str:
 
 def configs_table(rows: list[dict]) -> str:
     out = [f"{rows[0]['params'] / 1e6:.0f}M parameters, bf16-mixed, one rank, emulated "
-           "asynchronous device; bytes per trained parameter", "",
+           f"asynchronous device, {rows[0]['config']['optimizer']}; bytes per trained "
+           "parameter", "",
            "| moments | delayed update | accumulation | master | moments | fp32 gradient | "
            "staging | **total** | RSS growth (engine + 3 steps) / `host_bytes` |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -251,6 +260,8 @@ def main() -> None:
     ap.add_argument("--fractions", action="store_true", help="host bytes per parameter of every "
                     f"configuration at offload_fraction {' / '.join(map(str, FRACTIONS))}")
     ap.add_argument("--width", type=int, default=4096, help="width of the square layers")
+    ap.add_argument("--optimizer", choices=("adamw", "lion"), default="adamw",
+                    help="torch.optim.AdamW or lion_pytorch.Lion (--configs and the default run)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "host_memory.json")
     args = ap.parse_args()
     if args.fractions:
@@ -261,13 +272,14 @@ def main() -> None:
         print(fractions_table(rows))
         return
     if args.configs:
-        rows = [measure(args.params or 1e8, args.width, *c) for c in CONFIGS]
+        rows = [measure(args.params or 1e8, args.width, *c, optimizer=args.optimizer)
+                for c in CONFIGS]
         out = args.out.with_name("host_memory_configs.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=2))
         print(configs_table(rows))
         return
-    r = measure(args.params or 5e8, args.width)
+    r = measure(args.params or 5e8, args.width, optimizer=args.optimizer)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(r, indent=2))
     print(table(r))

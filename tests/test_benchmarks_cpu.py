@@ -244,3 +244,15 @@ def test_partial_offload_gpu_failures_and_summary(tmp_path: Path, capsys) -> Non
     printed = capsys.readouterr().out
     assert "| offload_0.5 | ValueError: boom |" in printed
     assert "FAILED partial offload offload_0.5: ValueError: boom" in printed
+
+
+def test_cpu_lion_times_every_peer_against_the_bare_pass(tmp_path: Path) -> None:
+    """The Lion benchmark runs its peers side by side and reports ratios to the best torch
+    composition and to the bare pass over the same bytes."""
+    pytest.importorskip("lion_pytorch")
+    out = _run("cpu_lion.py", "--sizes", "300K", "--threads", "1", "--repeats", "2", "--out",
+               str(tmp_path / "lion.json"))
+    rows = json.loads((tmp_path / "lion.json").read_text())["rows"]
+    assert set(rows[0]["seconds"]) >= {"fused (fp32 moment)", "fused (int8 moment)",
+                                       "torch (lion_pytorch's ops)", "torch (lerp)"}
+    assert "| 0.3M | 1 | fused (fp32 moment) |" in out

@@ -222,6 +222,33 @@ def test_planned_compact_moments_match_engine_count(moment_dtype, monkeypatch):
     assert small == pytest.approx(7e9 * (4 if moment_dtype == "bf16" else 2 + 8 / 256), rel=1e-6)
 
 
+@pytest.mark.parametrize("moment_dtype", ["fp32", "bf16", "int8"])
+def test_planned_lion_matches_its_engine_and_fits_more(moment_dtype, monkeypatch):
+    """--optimizer lion: the host keeps one moment (4, 2 or 1 + 4/256 bytes per parameter), as
+    a Lion engine counts it; on the H200 box (139 GiB device, 128 GiB host, no reserve) the
+    largest model is larger than Adam's."""
+    lion = pytest.importorskip("lion_pytorch")
+    _real_devices_only(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 500), nn.GELU(), nn.Linear(500, 70), nn.LayerNorm(70))
+    engine = zo.ZeroOffload(model, lion.Lion(model.parameters()), precision="bf16-mixed",
+                            device="cpu", moment_dtype=moment_dtype, check_host_memory=False)
+    n = sum(p.numel() for p in model.parameters())
+    p = plan(n, precision="bf16-mixed", device="cpu", measure=False, moment_dtype=moment_dtype,
+             optimizer="lion")
+    pad = (16 * (len(list(model.parameters())) + 1) + 256) * 28
+    assert abs(p.host_breakdown["moments"] - engine.host_budget["moments"]) <= pad
+    assert abs(p.host_bytes_per_rank - engine.host_bytes) <= pad, (p, engine.host_bytes)
+    engine.teardown()
+    box = dict(precision="bf16-mixed", device_memory="139GiB", host_memory="128GiB",
+               host_reserve=0, moment_dtype=moment_dtype, measure=False)
+    adam, mine = (plan(7e9, optimizer=o, **box) for o in ("adamw", "lion"))
+    per = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256}[moment_dtype]
+    assert mine.host_breakdown["moments"] == pytest.approx(7e9 * per, rel=1e-6)
+    assert mine.optimizer == "lion" and "optimizer lion" in str(mine)
+    assert mine.max_params_that_fit > adam.max_params_that_fit
+
+
 def test_cli_moment_dtype(capsys):
     assert main(["--params", "7e9", "--moment-dtype", "int8", "--no-measure", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -68,12 +68,13 @@ struct AdamArgs {
 };
 
 // Streaming probe: same arrays and access pattern as the fused step with a bf16 gradient and
-// bf16 out (read 2 + 12 bytes, write 12 + 2 bytes per element), trivial arithmetic:
-// a, b, c += g * scale (scale = 0 leaves them unchanged), out = bf16 bits of a (truncated).
+// bf16 out (Adam: read 2 + 12 bytes, write 12 + 2 bytes per element; Lion, c null: 2 + 8 and
+// 8 + 2), trivial arithmetic: a, b, c += g * scale (scale = 0 leaves them unchanged), out =
+// bf16 bits of a (truncated).
 struct ProbeArgs {
   float* a;
   float* b;
-  float* c;
+  float* c;  // may be null: two fp32 arrays (Lion's pattern)
   const uint16_t* g;
   uint16_t* out;
   float scale;

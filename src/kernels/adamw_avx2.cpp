@@ -189,7 +189,7 @@ LZO_TARGET void probe_avx2(const ProbeArgs& a, int64_t begin, int64_t end) {
     const __m256 x = _mm256_add_ps(_mm256_loadu_ps(a.a + i), g);
     _mm256_storeu_ps(a.a + i, x);
     _mm256_storeu_ps(a.b + i, _mm256_add_ps(_mm256_loadu_ps(a.b + i), g));
-    _mm256_storeu_ps(a.c + i, _mm256_add_ps(_mm256_loadu_ps(a.c + i), g));
+    if (a.c) _mm256_storeu_ps(a.c + i, _mm256_add_ps(_mm256_loadu_ps(a.c + i), g));
     const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a.out + i), _mm256_castsi256_si128(packed));

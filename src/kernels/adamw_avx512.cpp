@@ -83,7 +83,7 @@ LZO_TARGET void probe_avx512(const ProbeArgs& a, int64_t begin, int64_t end) {
     const __m512 x = _mm512_add_ps(_mm512_loadu_ps(a.a + i), g);
     _mm512_storeu_ps(a.a + i, x);
     _mm512_storeu_ps(a.b + i, _mm512_add_ps(_mm512_loadu_ps(a.b + i), g));
-    _mm512_storeu_ps(a.c + i, _mm512_add_ps(_mm512_loadu_ps(a.c + i), g));
+    if (a.c) _mm512_storeu_ps(a.c + i, _mm512_add_ps(_mm512_loadu_ps(a.c + i), g));
     const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.out + i), _mm512_cvtepi32_epi16(r));
   }

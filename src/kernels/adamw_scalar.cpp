@@ -61,7 +61,7 @@ void probe_scalar(const ProbeArgs& a, int64_t begin, int64_t end) {
     const float g = bf16_to_f32(a.g[i]) * a.scale;
     a.a[i] += g;
     a.b[i] += g;
-    a.c[i] += g;
+    if (a.c) a.c[i] += g;
     a.out[i] = static_cast<uint16_t>(f32_bits(a.a[i]) >> 16);
   }
 }

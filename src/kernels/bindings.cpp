@@ -355,16 +355,23 @@ void fused_lion(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
 
 // Streaming-bandwidth probe (see ProbeArgs): a, b, c fp32 += g * scale in place, g bf16 read,
 // out bf16 written. The machine's ceiling for the fused step's access pattern.
-void stream_probe(torch::Tensor a, torch::Tensor b, torch::Tensor c, torch::Tensor g,
-                  torch::Tensor out, double scale, int64_t num_threads, bool torch_pool) {
+void stream_probe(torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> c,
+                  torch::Tensor g, torch::Tensor out, double scale, int64_t num_threads,
+                  bool torch_pool) {
   const int64_t n = a.numel();
-  for (auto* t : {&a, &b, &c}) {
+  for (auto* t : {&a, &b}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat, "probe: a, b, c must be float32");
   }
   TORCH_CHECK(g.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16,
               "probe: g and out must be bfloat16");
-  for (auto* t : {&a, &b, &c, &g, &out}) check(*t, "probe argument", n);
-  const lzo::ProbeArgs p{a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(),
+  for (auto* t : {&a, &b, &g, &out}) check(*t, "probe argument", n);
+  float* c_ptr = nullptr;
+  if (c.has_value()) {
+    TORCH_CHECK(c->scalar_type() == torch::kFloat, "probe: a, b, c must be float32");
+    check(*c, "probe argument", n);
+    c_ptr = c->data_ptr<float>();
+  }
+  const lzo::ProbeArgs p{a.data_ptr<float>(), b.data_ptr<float>(), c_ptr,
                          reinterpret_cast<const uint16_t*>(g.data_ptr()),
                          reinterpret_cast<uint16_t*>(out.data_ptr()), static_cast<float>(scale)};
   const lzo::ProbeFn fn = isas()[g_isa.load()].probe;

@@ -80,7 +80,7 @@ def render(p: Any) -> str:
     yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
     lines = [f"lzo-plan: {p.params / 1e9:.3f}B parameters "
              f"({p.trainable_params / 1e9:.3f}B trained), {p.precision}, "
-             f"world size {p.world_size}, compute device {p.device}"]
+             f"world size {p.world_size}, compute device {p.device}, optimizer {p.optimizer}"]
     if p.device == "cuda":
         lines.append(f"device bytes: {_size(p.device_bytes)} of {_size(p.device_memory)}")
         lines += [f"  {k:<26} {_size(v)}" for k, v in p.device_breakdown.items()]
