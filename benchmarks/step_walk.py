@@ -5,7 +5,10 @@ Traces the second ``step`` of a small engine (3 and 6 buckets, one rank, the CPU
 
 - crossings: calls whose caller is in another core module than the callee;
 - re-entries: calls into a module that is already on the stack below another module (control
-  handed back to a module the walk had left: a callback).
+  handed back to a module the walk had left: a callback);
+- after finish: calls into ``core.streaming`` from another module after ``GradStreamer.finish``
+  returned, within ``ZeroOffload.step`` (the step owns the gradients from there: it must not
+  call the streamer back).
 
 Run it against any checkout to compare revisions (``PYTHONPATH=<checkout>/src``)::
 
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 PKG = "lightning_zero_offload.core."
+STREAMING, ENGINE = PKG + "streaming", PKG + "engine"
 
 
 def _walk(delayed: bool, layers: int) -> dict:
@@ -37,21 +41,32 @@ def _walk(delayed: bool, layers: int) -> dict:
     x = torch.randn(8, 64)
     for _ in range(2):  # the second step is the steady state (delayed: one pending)
         engine.backward(engine.module(x).float().square().mean())
-        counts = {"crossings": 0, "re_entries": 0}
+        counts = {"crossings": 0, "re_entries": 0, "after_finish": 0}
+        phase = {"finished": False, "in_step": False}
         stacks: dict[int, list[str]] = {}  # per thread: the delayed kernel runs on a worker
 
-        def prof(frame, event, arg, stacks=stacks, counts=counts):  # noqa: ANN001, ANN202
+        def prof(frame, event, arg, stacks=stacks, counts=counts,  # noqa: ANN001, ANN202
+                 phase=phase):
             stack = stacks.setdefault(threading.get_ident(), [])
             mod = frame.f_globals.get("__name__", "")
+            name = frame.f_code.co_name
             if event == "call":
                 here = mod if mod.startswith(PKG) else ""
                 if here and stack and stack[-1] and stack[-1] != here:
                     counts["crossings"] += 1
                     if here in stack:
                         counts["re_entries"] += 1
+                    if phase["finished"] and phase["in_step"] and here == STREAMING:
+                        counts["after_finish"] += 1
+                if here == ENGINE and name == "step":
+                    phase["in_step"] = True
                 stack.append(here)
             elif event == "return" and stack:
                 stack.pop()
+                if mod == STREAMING and name == "finish":
+                    phase["finished"] = True
+                if mod == ENGINE and name == "step":
+                    phase["in_step"] = False
 
         threading.setprofile(prof)
         sys.setprofile(prof)
@@ -72,7 +87,7 @@ def main() -> None:
     for delayed in (False, True):
         walks = [_walk(delayed, n) for n in (3, 6)]
         per_bucket = {k: (walks[1][k] - walks[0][k]) / (walks[1]["buckets"] - walks[0]["buckets"])
-                      for k in ("crossings", "re_entries")}
+                      for k in ("crossings", "re_entries", "after_finish")}
         print(json.dumps({**walks[0], "per_extra_bucket": per_bucket}))
 
 

@@ -202,13 +202,14 @@ def test_accumulation_moves_gradients_off_the_autograd_thread(monkeypatch) -> No
     import threading
 
     from lightning_zero_offload.core.host import GradSet
+    from lightning_zero_offload.core.stage import HostStage
 
     calls: list[tuple[str, bool]] = []
-    grad, alloc = GradSet.grad, GradSet.allocate_fp32
+    grad, alloc = HostStage.fp32_grad, GradSet.allocate_fp32
 
-    def spy_grad(self: GradSet, b: int) -> torch.Tensor:
+    def spy_grad(self: HostStage) -> torch.Tensor:
         calls.append((threading.current_thread().name, in_backward[0]))
-        return grad(self, b)
+        return grad(self)
 
     def spy_alloc(self: GradSet) -> None:
         if self.fp32 is None:  # a real allocation, not the no-op of a later call
@@ -216,7 +217,7 @@ def test_accumulation_moves_gradients_off_the_autograd_thread(monkeypatch) -> No
         alloc(self)
 
     in_backward, allocs = [False], []
-    monkeypatch.setattr(GradSet, "grad", spy_grad)
+    monkeypatch.setattr(HostStage, "fp32_grad", spy_grad)
     monkeypatch.setattr(GradSet, "allocate_fp32", spy_alloc)
     with emulated_async_device(seed=0):
         engine = _engine("bf16-mixed", False)

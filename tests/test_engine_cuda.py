@@ -297,7 +297,7 @@ def test_cuda_host_buffers_are_pinned_and_within_budget(precision):
     staging, and all host bytes alive are within the engine's budget (measured, not planned)."""
     engine = _check_host_budget("cuda", precision, micro=2)
     host = engine._host
-    assert host.grads.stage(0).is_pinned() and host.spare.stage(0).is_pinned()
+    assert host.grads.staging[0].is_pinned() and host.spare.staging[0].is_pinned()
     assert host.master[0].is_pinned() == (precision == "32-true")
     engine.teardown()
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import logging
 
-from torch import Tensor
-
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.threads import CpuStepWorker
@@ -43,14 +41,14 @@ class DelayedUpdate:
         self._push: WeightPush | None = None
         self._joined = False
 
-    def submit(self, step: int, plan: StepPlan, sources: list[Tensor]) -> None:
+    def submit(self, step: int, plan: StepPlan) -> None:
         """Step ``step``'s kernel on the worker: it reads the gradient set the step decided on
         and writes the spare weights; the next backward fills the other set meanwhile."""
         assert self.worker is not None, "delayed update without a worker"
         assert self.weights.spare is not None, "delayed update without spare weights"
         used = self.host.swap()
         push = self.weights.push(step, self.weights.spare)
-        self.worker.submit(self.update.run, plan, sources, push, False, used)
+        self.worker.submit(self.update.run, plan, push, False, used)
         self.pending, self._push, self._joined = step, push, False
 
     def join(self) -> None:

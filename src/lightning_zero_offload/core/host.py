@@ -223,26 +223,31 @@ class GradSet:
                        if staged else None)
         self.staging = self._arena.slices if self._arena is not None else None
         self.stages: list[HostStage | DeviceStage] = [
-            *(HostStage(self, b) for b in range(n_host)), *resident]
+            *(HostStage(b, None if self.staging is None else self.staging[b])
+              for b in range(n_host)), *resident]
 
     def allocate_fp32(self) -> None:
-        if self.fp32 is None:
-            self.fp32 = [torch.zeros(k) for k in self.numel]
+        """The fp32 gradient, each host stage given its bucket's view of it."""
+        if self.fp32 is not None:
+            return
+        self.fp32 = [torch.zeros(k) for k in self.numel]
+        for stage in self.stages:
+            if isinstance(stage, HostStage):
+                bucket = self.layout.buckets[stage.b]
+                stage.fp32 = self.fp32[bucket.group][
+                    bucket.host_offset : bucket.host_offset + bucket.shard]
 
     def grad(self, b: int) -> Tensor:
         """Bucket ``b``'s slice of the fp32 gradient (allocated by ``allocate_fp32``)."""
-        if self.fp32 is None:
-            raise RuntimeError("ZeroOffload internal error: fp32 gradient used before allocation")
-        bucket = self.layout.buckets[b]
-        return self.fp32[bucket.group][bucket.host_offset : bucket.host_offset + bucket.shard]
-
-    def stage(self, b: int) -> Tensor:
-        """Bucket ``b``'s staging slice (compute dtype)."""
-        assert self.staging is not None
-        return self.staging[b]
+        stage = self.stages[b]
+        assert isinstance(stage, HostStage)
+        return stage.fp32_grad()
 
     def free(self) -> None:
         self.fp32 = self.staging = self._arena = None
+        for stage in self.stages:
+            if isinstance(stage, HostStage):
+                stage.fp32 = stage.staging = None
 
     def nbytes(self) -> int:
         out = sum(t.numel() * 4 for t in self.fp32 or [])
@@ -272,6 +277,7 @@ class HostBuffers:
                           on_device=len(resident))
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [rule.zeros(k, moment_dtype) for k in n]
+        self._views: dict[int, tuple[Tensor, Moments]] = {}  # state(b), made once
         # Each element draws its stochastic rounding from its place in the whole model (groups
         # back to back), not in this rank's shard: ranks do not round alike, and a layout that
         # is the same at another world size rounds the same.
@@ -296,12 +302,15 @@ class HostBuffers:
     def state(self, b: int) -> tuple[Tensor, Moments]:
         """Bucket ``b``'s shard of the master weights and of the moments (block-aligned views:
         the layout pads bucket shards to whole blocks for 8-bit moments)."""
-        bucket = self.layout.buckets[b]
-        sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
-        g = bucket.group
-        mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
-        lo, _ = bucket.shard_range(self.rank)
-        return self.master[g][sl], mom.at(self._base[g] + lo)
+        views = self._views.get(b)
+        if views is None:
+            bucket = self.layout.buckets[b]
+            sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
+            g = bucket.group
+            mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
+            lo, _ = bucket.shard_range(self.rank)
+            views = self._views[b] = (self.master[g][sl], mom.at(self._base[g] + lo))
+        return views
 
     def need_fp32_grads(self) -> None:
         """A backward is about to accumulate: the fp32 gradient of both sets exists from here on
@@ -350,6 +359,7 @@ class HostBuffers:
         arrays and the old ones go. Between steps, nothing in flight. ``release`` returns freed
         pinned blocks to the system (CUDA caches them). Returns the new sizes."""
         dtype, asynchronous, pinned = self._args
+        self._views.clear()  # views would keep the old arrays alive while the new ones are made
         self.resident = resident = [*resident, *self.resident]
         n = host_numel(self.layout, len(resident))
         half = dtype != torch.float32
@@ -387,6 +397,7 @@ class HostBuffers:
         for stage in self.resident:
             stage.free()
         self.master, self.moments, self.resident = [], [], []
+        self._views.clear()
         for s in (self.grads, self.spare):
             if s is not None:
                 s.free()

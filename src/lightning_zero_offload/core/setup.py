@@ -135,11 +135,11 @@ def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
     c = w.config
     cores, threads = c.cpu_affinity, step_threads(c, w.layout.world_size, w.device)
     worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores else None
-    update = HostUpdate(w.layout, host, grads, rank=w.rank, threads=threads, seed=c.moment_seed,
+    update = HostUpdate(w.layout, host, rank=w.rank, threads=threads, seed=c.moment_seed,
                         asynchronous=dev.asynchronous, half=w.dtype != torch.float32,
                         profile=profile)
     delayed = DelayedUpdate(worker, profile, weights, host, update)
-    on_device = DeviceUpdate(w.layout, host, grads, rank=w.rank, profile=profile)
+    on_device = DeviceUpdate(w.layout, host, rank=w.rank, profile=profile)
     step = Stepper(w.layout, grads, weights, update, on_device, delayed, c,
                    rule=w.rule, rank=w.rank, process_group=w.group, device=w.device,
                    profile=profile, worker=worker)

@@ -11,7 +11,7 @@ copy into the slice waits for that one). The streamer hands shards to stages (:m
 tells it which copy reads them (:meth:`weights_read_by`); nobody else touches its fields.
 
 The memory itself (pinned arena blocks, fp32 arrays per group) is allocated and budgeted by
-``core.host``; a stage holds its set and index and works through ``GradSet.grad``/``stage``.
+``core.host``; a stage holds views of its bucket's slices, given by its gradient set.
 :class:`DeviceStage` is its sibling for a bucket whose optimizer state is kept on the device
 (``core.placement``): it holds that state (fp32 master and moments) and the bucket's reduced
 gradient there, filled on the same side stream, and never crosses to the host.
@@ -20,24 +20,23 @@ gradient there, filled on the same side stream, and never crosses to the host.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.device import Event, SyncDevice
 
-if TYPE_CHECKING:
-    from lightning_zero_offload.core.host import GradSet
-
 
 class HostStage:
-    """Bucket ``b``'s shard in one host gradient set (two sets under delayed update)."""
+    """Bucket ``b``'s shard in one host gradient set (two sets under delayed update): views of
+    the set's staging slice (asynchronous device) and fp32 gradient (once allocated), held from
+    the set's making and allocation on."""
 
     resident = False  # its optimizer state lives on the host
 
-    def __init__(self, gset: GradSet, b: int) -> None:
-        self._set, self.b = gset, b
+    def __init__(self, b: int, staging: Tensor | None) -> None:
+        self.b, self.staging = b, staging
+        self.fp32: Tensor | None = None  # set by the gradient set's allocation
         self._filled: Event | None = None  # the latest device-to-host copy into staging
         self._read_by: Event | None = None  # the copy reading the weights out of staging
         self._moved = 0  # flushes folded into the fp32 gradient since reset
@@ -46,7 +45,7 @@ class HostStage:
     def receive(self, shard: Tensor, first: bool) -> bool:
         """A synchronous device: ``shard`` lands in the fp32 gradient (added from the second
         flush since reset on). False when it was reduced in place there (nothing to free)."""
-        host = self._set.grad(self.b)
+        host = self.fp32_grad()
         if shard.data_ptr() == host.data_ptr():
             return False
         host.copy_(shard) if first else host.add_(shard)
@@ -57,7 +56,7 @@ class HostStage:
         """An asynchronous device: queue the copy of ``shard`` into staging on ``stream``, after
         the copy that still reads the weights written over it, then ``then`` (the shard's
         release on the stream); returns the end of both."""
-        stage, reader = self._set.stage(self.b), self._take_reader()
+        stage, reader = self._staging(), self._take_reader()
         if reader is not None:
             dev.stream_waits(stream, reader, "staging_reuse")
         dev.run(stream, lambda: stage.copy_(shard, non_blocking=True))
@@ -70,7 +69,7 @@ class HostStage:
         fp32 gradient (copied into an empty one, else added)."""
         if self._filled is not None:
             self._filled.wait()
-        stage, fp32 = self._set.stage(self.b), self._set.grad(self.b)
+        stage, fp32 = self._staging(), self.fp32_grad()
         fp32.copy_(stage) if self._moved == 0 else fp32.add_(stage)
         self._moved += 1
         dev.handed_back(stage)
@@ -92,23 +91,33 @@ class HostStage:
         gradient, into which the last flush, still in staging, is added here (the staging is
         then handed back, so poisoned on the emulated device)."""
         if not dev.asynchronous:
-            src = self._set.grad(self.b)
+            src = self.fp32_grad()
             return src.zero_() if flushes == 0 else src
-        stage = self._set.stage(self.b)
+        stage = self._staging()
         if flushes == 0:
             if (reader := self._take_reader()) is not None:  # rule 6 on the host
                 reader.wait()
             return stage.zero_()
         if self._moved == 0:
             return stage
-        fp32 = self._set.grad(self.b).add_(stage)
+        fp32 = self.fp32_grad().add_(stage)
         dev.handed_back(stage)
         self._moved += 1
         return fp32
 
     def weights_out(self) -> Tensor:
         """Where the kernel writes the new half weights for the copy up: the staging slice."""
-        return self._set.stage(self.b)
+        return self._staging()
+
+    def fp32_grad(self) -> Tensor:
+        """The fp32 gradient slice (allocated when the run accumulates, or on the CPU)."""
+        if self.fp32 is None:
+            raise RuntimeError("ZeroOffload internal error: fp32 gradient used before allocation")
+        return self.fp32
+
+    def _staging(self) -> Tensor:
+        assert self.staging is not None, "staging on a synchronous device"
+        return self.staging
 
     def weights_read_by(self, event: Event | None) -> None:
         """The weights written over staging are read by the copy ending at ``event``."""

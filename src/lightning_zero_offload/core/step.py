@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
+from lightning_zero_offload.core.grads import Grads
 from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
@@ -85,24 +86,25 @@ class Stepper:
     # -- the decision -------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> float:
         """Fold a clip into the next step; the norm before this clip (0.0 without gradients)."""
-        if not self.streamer.finish():
+        grads = self.streamer.finish()
+        if grads is None:
             return 0.0
-        raw = self.global_norm(float(norm_type))
+        raw = self.global_norm(float(norm_type), grads)
         if self._clip_norm is None:
             self._clip_norm = raw
         current = raw * self._clip_coef
         self._clip_coef *= clip_coef(float(max_norm), current)
         return current
 
-    def global_norm(self, norm_type: float) -> float:
+    def global_norm(self, norm_type: float, grads: Grads) -> float:
         """The norm of the whole gradient over all ranks (collective), unscaled."""
         tp = self.layout.tp  # tensor parallelism: what every TP rank holds counts once
         fast = norm_type == 2.0 and (tp is None or tp.counts_all)  # the device statistics
-        local = self.streamer.local_sq_sum() if fast else None
+        local = grads.sq_sum if fast else None
         if local is None:
-            grads = self.streamer.fold_last_flush()
+            shards = grads.sources
             parts = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).cpu()
-                     for g in (tp.counted(self.layout, grads, self.rank) if tp else grads)
+                     for g in (tp.counted(self.layout, shards, self.rank) if tp else shards)
                      if g.numel()]
             if not parts:
                 local = torch.tensor(0.0)
@@ -131,11 +133,11 @@ class Stepper:
         self._clip_coef, self._clip_norm = 1.0, None
         self.last_grad_norm, self.last_step_skipped = None, True
         with self.profile.span("grad_wait", step):
-            arrived = self.streamer.finish()
-        if not arrived:
+            grads = self.streamer.finish(next_step=step + 1)
+        if grads is None:
             return None  # like torch: nothing to do
         if norm is None and (self.config.max_grad_norm or self.scaler is not None):
-            norm = self.global_norm(2.0)
+            norm = self.global_norm(2.0, grads)
         self.last_grad_norm = norm
         if self.config.max_grad_norm:
             assert norm is not None
@@ -149,19 +151,19 @@ class Stepper:
             if overflow:
                 return None
         self.last_step_skipped = False
-        had = self._had_grad()
+        had = self._had_grad(grads)
         for i, h in enumerate(had):
             self.param_steps[i] += h
         for g in range(len(param_groups)):
             self.steps[g] += 1
         hparams = [self.rule.hyper(group) for group in param_groups]
         return StepPlan(self.rule, coef / (self.world_size * scale), hparams,
-                        [self._runs(b, had) for b in range(len(self.layout.buckets))])
+                        [self._runs(b, had) for b in range(len(self.layout.buckets))], grads)
 
-    def _had_grad(self) -> list[bool]:
+    def _had_grad(self, grads: Grads) -> list[bool]:
         """Per parameter, whether a gradient arrived on any rank since ``zero_grad`` (a
         collective with several ranks: DDP also steps a parameter used on one rank only)."""
-        had = self.streamer.had_grad
+        had = grads.had_grad
         if self.world_size == 1:
             return list(had)
         flags = torch.tensor(had, dtype=torch.uint8).to(
@@ -197,18 +199,16 @@ class Stepper:
         update past its warm-up, on the worker into the spare weights (they land at the next
         collective call)."""
         plan = self.decide(param_groups, k)
-        self.streamer.next_profile_step(k + 1)
         self.delayed.land()  # step k-1's update lands now, before step k+1's forward
         cfg, prof, weights, update = self.config, self.profile, self.weights, self.update
         if plan is None:
             prof.close(k)
         elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
-            sources = self.streamer.fold_last_flush()
             # The device part steps now, into both weight sets (the spare one lands next step).
             assert weights.spare is not None
-            self.device_update.run(plan, sources, [weights.live, weights.spare], k)
+            self.device_update.run(plan, [weights.live, weights.spare], k)
             weights.publish(self.device_update.buckets)
-            self.delayed.submit(k, plan, sources)
+            self.delayed.submit(k, plan)
         else:
             if cfg.delayed_update and not self._told_warmup and self.rank == 0:
                 self._told_warmup = True  # a run shorter than the warm-up would never overlap
@@ -216,16 +216,14 @@ class Stepper:
                 logger.warning("delayed update starts after %d warm-up steps "
                                "(delayed_update_warmup=%d); until then each step runs "
                                "synchronously", w, w)
-            with prof.span("stall", k):
-                sources = self.streamer.fold_last_flush()
             # The device part (its own span, device_step), gathered by the push.
-            self.device_update.run(plan, sources, [weights.live], k)
+            self.device_update.run(plan, [weights.live], k)
             with prof.span("stall", k):
                 with weights.push(k, weights.live) as push:
                     if self.worker is not None:  # bound to its cores; collectives stay here
-                        self.worker.run(update.run, plan, sources, push, False)
+                        self.worker.run(update.run, plan, push, False)
                     else:
-                        update.run(plan, sources, push, True)
+                        update.run(plan, push, True)
             prof.close(k)
 
     # -- the counters a checkpoint keeps --------------------------------------------------------

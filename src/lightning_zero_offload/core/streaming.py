@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lightning_zero_offload.core import collectives, tensor_parallel
 from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.grads import Grads
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
@@ -89,15 +90,12 @@ class GradStreamer:
                                 max((bk.shard for bk in layout.buckets), default=0)
                                 if self.world_size > 1 else 0, dtype)
         self._tasks: list = [None] * nb  # host task moving the previous flush to fp32
-        self._sources: list[Tensor] | None = None
+        self._filling: set[int] = set()  # buckets whose copy into their stage may still run
+        self._grads: Grads | None = None  # what finish() handed over, until the next flush
         self._handles = [
             s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
             for i, s in enumerate(layout.slots)
         ]
-
-    def next_profile_step(self, step: int) -> None:
-        """The gradients that arrive from here on are for optimizer step ``step``."""
-        self.profile_step = step
 
     # -- the sync mode ---------------------------------------------------------------------------
     @property
@@ -234,7 +232,7 @@ class GradStreamer:
             buf[lo:hi].zero_()
         first = self.flushes[b] == 0
         self.flushes[b] += 1
-        self._sources = None
+        self._grads = None
         if self.dev.asynchronous:
             self._flush_async(b, buf, first)
         else:
@@ -281,6 +279,7 @@ class GradStreamer:
                 dev.release(buf, reducing)
         self.stats.append(stat)
         stage = self.host.grads.stages[b]
+        self._filling.add(b)
 
         def release() -> None:  # a ring slot (bucket and shard) is free once the copy ends
             if not ring:
@@ -318,47 +317,40 @@ class GradStreamer:
             task, self._tasks[b] = self._tasks[b], None
             if task is not None:
                 task.result()
-        for stage in self.host.grads.stages:
-            stage.wait_filled()
+        stages = self.host.grads.stages
+        for b in sorted(self._filling):
+            stages[b].wait_filled()
+        self._filling.clear()
 
-    def finish(self) -> bool:
-        """Make the gradients complete for a step. Gradients left on the device by ``no_sync``
-        micro-batches are reduced now. Returns False when no gradient arrived at all since
-        ``zero_grad``."""
+    def finish(self, next_step: int | None = None) -> Grads | None:
+        """The gradients of a step, complete, handed to the step (None when no gradient arrived
+        at all since ``zero_grad``). Gradients left on the device by ``no_sync`` micro-batches
+        are reduced now, every transfer waited for, and per bucket the kernel's source made: the
+        staging slice (compute dtype) when the bucket was flushed once, else the fp32 gradient,
+        into which the last flush, still in staging, is added (the staging is then handed back,
+        so poisoned on the emulated device); buckets that got nothing are zeroed. Later calls
+        before another flush return the same. ``next_step``: gradients arriving from here on
+        are for that optimizer step (the profile's)."""
         if not self._in_backward and any(s.param.grad is not None for s in self.layout.slots):
             self._in_backward = True  # an accumulating flush allocates the fp32 gradient
         self.end_backward()
         self.drain()
-        return any(self.flushes) or self.zeroed
-
-    def fold_last_flush(self) -> list[Tensor]:
-        """Per bucket, this rank's gradient shard for the kernel (after ``finish``): the staging
-        slice (compute dtype) when the bucket was flushed once, else the fp32 gradient, into
-        which the last flush, still in staging, is added here (the staging is then handed back,
-        so poisoned on the emulated device). Buckets that got nothing since ``zero_grad`` are
-        zeroed. Computed once per step; later calls return the same tensors."""
-        if self._sources is None:
-            self._sources = [stage.source(self.dev, self.flushes[b])
-                             for b, stage in enumerate(self.host.grads.stages)]
-        return self._sources
+        if next_step is not None:
+            self.profile_step = next_step
+        if not (any(self.flushes) or self.zeroed):
+            return None
+        if self._grads is None:
+            exact = self.stats and all(f == 1 for f in self.flushes)
+            self._grads = Grads([stage.source(self.dev, self.flushes[b])
+                                 for b, stage in enumerate(self.host.grads.stages)],
+                                list(self.had_grad), list(self.stats) if exact else None,
+                                self.dev)
+        return self._grads
 
     def buffers_replaced(self) -> None:
         """The host gradient sets may be rebuilt (``offload_fraction="auto"`` moves buckets):
-        the step's sources are computed anew, and this side keeps no view of the old ones."""
-        self._sources = None
-
-    def consumed(self, sources: list[Tensor]) -> None:
-        """The step has read ``sources``; their contents are dead until the next backward fills
-        them (call ``zero_grad`` before it)."""
-        for t in sources:
-            self.dev.handed_back(t)
-
-    def local_sq_sum(self) -> Tensor | None:
-        """Sum of squares of this rank's reduced gradient shard, from the device-side statistics;
-        None when they do not describe the accumulated gradient (several flushes per bucket)."""
-        if not self.stats or any(f != 1 for f in self.flushes):
-            return None
-        return torch.stack(self.stats).sum()
+        the step's sources are made anew, and this side keeps no view of the old ones."""
+        self._grads = None
 
     def reset(self, set_to_none: bool = True) -> None:
         """``zero_grad``, after the transfers in flight: the next flushes overwrite, not add.
@@ -370,7 +362,7 @@ class GradStreamer:
             self.had_grad = [False] * len(self.had_grad)
         self.host.reset_stages()
         self.stats = []
-        self._sources = None
+        self._grads = None
         for s in self.layout.slots:
             s.param.grad = None
 
@@ -382,5 +374,5 @@ class GradStreamer:
         if drain:
             self.drain()
         self._ring.close()
-        self._sources = None  # staging views: the pinned blocks must be free at teardown
+        self._grads = None  # staging views: the pinned blocks must be free at teardown
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,11 @@ def local(t: Tensor) -> Tensor:
     return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+def data_ptrs(tensors: Iterable[Tensor]) -> list[int]:
+    """Where each tensor's local data lives, in order (one call for a whole model)."""
+    return [local(t).data_ptr() for t in tensors]
+
+
 def local_grad(param: Tensor, grad: Tensor) -> Tensor:
     """``param``'s gradient ``grad`` as the local shard of the parameter's own placements (a
     ``Partial()`` gradient of a replicated parameter is reduced over its group first)."""
@@ -49,6 +55,12 @@ def local_grad(param: Tensor, grad: Tensor) -> Tensor:
     if grad.placements != param.placements:  # type: ignore[union-attr]
         grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore
     return grad._local_tensor  # type: ignore[union-attr]
+
+
+def bind_all(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
+    """:func:`bind` each ``(param, view)``."""
+    for param, view in pairs:
+        bind(param, view)
 
 
 @torch.no_grad()

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core.grads import Grads
 from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.stage import HostStage
-from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.weights import WeightPush
 
 Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
@@ -38,29 +38,32 @@ class StepPlan:
     grad_scale: float
     hparams: list[Any]  # per group, the rule's hyperparameters
     runs: list[list[Run]]  # per bucket, ascending; the ranges between runs are left untouched
+    grads: Grads  # the step's gradients (its sources, handed back once read)
 
 
 class HostUpdate:
     """The rule's host implementation over this rank's shard; owns no state of its own."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, streamer: GradStreamer, *, rank: int,
-                 threads: int, seed: int, asynchronous: bool, half: bool,
-                 profile: ProfileRecorder) -> None:
-        self.layout, self.host, self.streamer, self.rank = layout, host, streamer, rank
+    def __init__(self, layout: Layout, host: HostBuffers, *, rank: int, threads: int, seed: int,
+                 asynchronous: bool, half: bool, profile: ProfileRecorder) -> None:
+        self.layout, self.host, self.rank = layout, host, rank
         self.threads, self.seed, self.profile = threads, seed, profile
+        self._ranges = [bucket.shard_range(rank) for bucket in layout.buckets]
         # Where the kernel writes the half weights: into the device's own (the CPU, one rank),
         # or over the staging slice the copy reads (an asynchronous device); else the copies
         # cast them from the master.
         self.out_direct = half and not asynchronous and layout.world_size == 1
         self.staged_out = half and asynchronous
 
-    def run(self, plan: StepPlan, sources: list[Tensor], push: WeightPush, gather: bool,
+    def run(self, plan: StepPlan, push: WeightPush, gather: bool,
             gset: GradSet | None = None) -> None:
         """The kernel over every bucket shard into ``push.target`` (the live weights, or the
         spare ones on the delayed worker); ``gather``: all-gather each bucket as it is done
-        (only on the caller's thread); ``gset``: the gradient set ``sources`` came from (the
-        current one unless the delayed update swapped it out)."""
+        (only on the caller's thread); ``gset``: the gradient set the plan's gradients came
+        from (the current one unless the delayed update swapped it out)."""
         gset = gset if gset is not None else self.host.grads
+        sources = plan.grads.sources
+        gather = gather and self.layout.world_size > 1  # one rank: nothing to gather
         k = push.step
         assert k is not None, "a kernel push has a profile step"
         push.wait_sources()  # the last push's copies have read the buffers rewritten here
@@ -71,7 +74,7 @@ class HostUpdate:
                     continue  # gathered by the push's finish
                 hp = plan.hparams[bucket.group]
                 master, moments = self.host.state(b)
-                lo, hi = bucket.shard_range(self.rank)
+                lo, hi = self._ranges[b]
                 out = (push.target[bucket.group][lo:hi] if self.out_direct
                        else stage.weights_out() if self.staged_out else None)
                 done = 0
@@ -94,9 +97,9 @@ class HostUpdate:
         push.copies_done()
         # Staging slices that carry weights are handed back on the copy stream (hand_back);
         # the device part's gradients are DeviceUpdate's.
-        self.streamer.consumed([s for s, stage in zip(sources, gset.stages, strict=True)
-                                if not stage.resident
-                                and (not self.staged_out or s.dtype == torch.float32)])
+        plan.grads.consumed([s for s, stage in zip(sources, gset.stages, strict=True)
+                             if not stage.resident
+                             and (not self.staged_out or s.dtype == torch.float32)])
 
 
 def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
@@ -112,9 +115,9 @@ class DeviceUpdate:
     host part (and at once under delayed update); the new weights are cast into the shards of
     the given weight buffers, whose pushes gather them."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, streamer: GradStreamer, *, rank: int,
+    def __init__(self, layout: Layout, host: HostBuffers, *, rank: int,
                  profile: ProfileRecorder) -> None:
-        self.layout, self.host, self.streamer, self.rank = layout, host, streamer, rank
+        self.layout, self.host, self.rank = layout, host, rank
         self.profile = profile
 
     @property
@@ -122,13 +125,13 @@ class DeviceUpdate:
         return [stage.b for stage in self.host.resident]
 
     @torch.no_grad()
-    def run(self, plan: StepPlan, sources: list[Tensor], targets: list[list[Tensor]],
-            step: int) -> None:
+    def run(self, plan: StepPlan, targets: list[list[Tensor]], step: int) -> None:
         """Every device-resident bucket shard stepped over its runs (ranges between them left
         untouched, as the kernel leaves them), its new weights written into each of
         ``targets``' shards of it."""
         if not self.host.resident:
             return
+        sources = plan.grads.sources
         with self.profile.span("device_step", step):
             for stage in self.host.resident:
                 b = stage.b
@@ -142,4 +145,4 @@ class DeviceUpdate:
                 lo, hi = bucket.shard_range(self.rank)
                 for target in targets:
                     target[bucket.group][lo:hi].copy_(stage.master)
-            self.streamer.consumed([sources[b] for b in self.buckets])
+            plan.grads.consumed([sources[b] for b in self.buckets])

@@ -24,7 +24,7 @@ from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.tensor_parallel import bind, local
+from lightning_zero_offload.core.tensor_parallel import bind, bind_all, data_ptrs, local
 
 
 def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
@@ -84,16 +84,17 @@ class DeviceWeights:
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def _bind(self) -> None:
-        for slot in self.layout.slots:
-            flat = self.live[slot.group]
-            bind(slot.param, flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
-        self._ptrs = [local(s.param).data_ptr() for s in self.layout.slots]
+        slots = self.layout.slots
+        bind_all([(s.param, self.live[s.group][s.offset : s.offset + s.numel].view(s.shape))
+                  for s in slots])
+        self._ptrs = data_ptrs([s.param for s in slots])
 
     def check_views(self) -> None:
         """Every trained parameter still views the flat buffer (``.to()``/``.half()`` after setup
         would have replaced it)."""
-        for slot, ptr in zip(self.layout.slots, self._ptrs, strict=True):
-            if local(slot.param).data_ptr() != ptr:
+        now = data_ptrs([s.param for s in self.layout.slots])
+        for slot, ptr, at in zip(self.layout.slots, self._ptrs, now, strict=True):
+            if at != ptr:
                 raise RuntimeError(
                     f"ZeroOffload: parameter {slot.name!r} no longer lives in the engine's flat "
                     "buffer (was the module moved or cast with .to()/.float()/.half() after "
