@@ -12,7 +12,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "lightning_zero_offload"
-MAX_LINES, MAX_ENGINE_LINES = 400, 326  # the engine wires the owners and holds the public API
+MAX_LINES, MAX_ENGINE_LINES = 400, 300  # the engine wires the owners and holds the public API
 
 
 def _modules() -> dict[str, Path]:

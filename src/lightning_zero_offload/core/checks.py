@@ -4,6 +4,7 @@ step are the update rule's, ``core.rule``; a checkpoint's are ``core.checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -64,6 +65,20 @@ def resolve_pinned(pin_memory: bool | None, device: torch.device) -> bool:
             "bandwidth; leave pin_memory at its default unless pinned memory cannot be had",
             stacklevel=3)
     return device.type == "cuda" if pin_memory is None else pin_memory
+
+
+def current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``device`` is the current CUDA device inside (nothing to do elsewhere)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def check_open(closed: bool) -> None:
+    """An engine's call after ``teardown()`` is a clear error."""
+    if closed:
+        raise RuntimeError(
+            "ZeroOffload: this engine was torn down (teardown(), or the end of a framework's "
+            "fit), so its optimizer state is gone; save before teardown, or create a new "
+            "engine (the module holds the trained fp32 weights)")
 
 
 def rank_and_world(group: object | None) -> tuple[int, int]:

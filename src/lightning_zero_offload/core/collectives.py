@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -54,6 +55,14 @@ def release_group(group: Any, given: Any) -> None:
             dist.destroy_process_group(group)
         except Exception:  # already gone with the default group
             pass
+
+
+def releaser(owner: object, group: Any, given: Any) -> weakref.finalize:
+    """:func:`release_group` of ``group`` once called, or once ``owner`` is dropped, but not at
+    exit (a destroy there would wait for collectives)."""
+    release = weakref.finalize(owner, release_group, group, given)
+    release.atexit = False
+    return release
 
 
 def destroy_at_exit() -> None:

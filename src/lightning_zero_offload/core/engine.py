@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import weakref
 from collections.abc import Callable
 from types import EllipsisType
 from typing import Any
@@ -23,9 +22,6 @@ from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 from lightning_zero_offload.core.profile import PassTimer, StepProfile
-
-# module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ZeroOffload:
@@ -42,33 +38,27 @@ class ZeroOffload:
         self.tp, process_group = tensor_parallel.setup(module, device_mesh, process_group)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
-        # Released by teardown or when dropped, not at exit (a destroy waits for collectives).
-        self._release_group = weakref.finalize(self, collectives.release_group,
-                                               self.process_group, process_group)
-        self._release_group.atexit = False
+        self._release_group = collectives.releaser(self, self.process_group, process_group)
         self.rule = checks.check_optimizer(optimizer)
         trainable, order, names = checks.check_params(module, optimizer)
-        owner = _ENGINES[module]() if module in _ENGINES else None
-        if owner is not None and not owner.torn_down:
-            raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
-                             "engine; teardown() that one first (or wrap a fresh model)")
+        setup.check_unclaimed(module)
         self.module, self.inner_optimizer = module, optimizer
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
         self.layout = setup.lay_out(self._groups, trainable, order, names, config,
                                     self.world_size, self.tp)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else (
-                contextlib.nullcontext()):  # no stray CUDA context on another GPU
+        with checks.current(self.device):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
-        _ENGINES[module] = weakref.ref(self)  # only once built: a failed setup owns nothing
+        setup.claim(module, self)  # only once built: a failed setup owns nothing
 
     def _build(self, module: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
                pinned: bool) -> None:
-        o = setup.build(setup.Where(self.layout, module, self.config, dtype, pinned, self.rank,
-                                    self.process_group, self.device, self.tp, self.rule))
+        self._owners = o = setup.build(setup.Where(
+            self.layout, module, self.config, dtype, pinned, self.rank, self.process_group,
+            self.device, self.tp, self.rule))
         self._dev, self._part, self._profile = o.dev, o.part, o.profile
         self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
-        self._worker, self._delayed, self._stepper = o.worker, o.delayed, o.stepper
+        self._delayed, self._stepper = o.delayed, o.stepper
         self._timer = PassTimer(self._profile)
         self._hooks = setup.hook(module, self._cast_inputs, self._forward_started,
                                  self._zero_grad_with_module)
@@ -174,9 +164,8 @@ class ZeroOffload:
         module's weights then hold every step with one rank; with several, after the next
         collective call (``step``, ``gather_weights``, saves, loads, ``teardown``)."""
         self._check_open()
-        self._delayed.join()
-        if self.world_size == 1:
-            self._delayed.land()  # collective with several ranks
+        # the delayed update lands with one rank (with several that is a collective)
+        (self._delayed.land if self.world_size == 1 else self._delayed.join)()
         self._streamer.drain()
         self._dev.synchronize()
 
@@ -212,11 +201,7 @@ class ZeroOffload:
         return self._closed
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(
-                "ZeroOffload: this engine was torn down (teardown(), or the end of a framework's "
-                "fit), so its optimizer state is gone; save before teardown, or create a new "
-                "engine (the module holds the trained fp32 weights)")
+        checks.check_open(self._closed)
 
     def _check_params(self) -> None:
         checks.check_unchanged(self.optimizer.param_groups, self._groups, self.module,
@@ -305,22 +290,11 @@ class ZeroOffload:
             broken = e
             if error is None:  # raised once everything is released (no news if one propagates)
                 copy_weights_to_module = keep_state = False
-        if self._worker is not None:
-            self._worker.close()
-        self._streamer.remove(drain=broken is None)
-        for h in self._hooks:
-            h.remove()
-        self.module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
-        try:
-            if copy_weights_to_module:
-                self._weights.restore(self._state.gather_full(self._state.masters()), device)
-        except Exception as e:
-            broken = broken or e
-        self._weights.free()
-        self._closed = True
         self._readable = keep_state and (copy_weights_to_module or self.world_size == 1)
-        if not self._readable:  # a kept state still gathers over the engine's group
-            self._host.free()
-            self._release_group()
-        self._dev.close()  # after the host buffers: it empties the pinned-memory cache
-        collectives.raise_unless_failing(broken, error)
+        restore = ((lambda: self._weights.restore(self._state.gather_full(self._state.masters()),
+                                                  device)) if copy_weights_to_module else None)
+        lost = setup.release(self._owners, self._hooks, self.module, drain=broken is None,
+                             restore=restore, keep_host=self._readable,
+                             release_group=self._release_group)
+        self._closed = True
+        collectives.raise_unless_failing(broken or lost, error)

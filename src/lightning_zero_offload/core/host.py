@@ -237,12 +237,6 @@ class GradSet:
                 stage.fp32 = self.fp32[bucket.group][
                     bucket.host_offset : bucket.host_offset + bucket.shard]
 
-    def grad(self, b: int) -> Tensor:
-        """Bucket ``b``'s slice of the fp32 gradient (allocated by ``allocate_fp32``)."""
-        stage = self.stages[b]
-        assert isinstance(stage, HostStage)
-        return stage.fp32_grad()
-
     def free(self) -> None:
         self.fp32 = self.staging = self._arena = None
         for stage in self.stages:

@@ -16,6 +16,8 @@ Before them, :func:`lay_out` cuts the trained parameters into buckets and shards
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,22 @@ from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
 from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate
 from lightning_zero_offload.core.weights import DeviceWeights
+
+# module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_unclaimed(module: nn.Module) -> None:
+    """No live engine drives ``module`` already."""
+    owner = _ENGINES[module]() if module in _ENGINES else None
+    if owner is not None and not owner.torn_down:
+        raise ValueError("ZeroOffload: this module is already driven by another ZeroOffload "
+                         "engine; teardown() that one first (or wrap a fresh model)")
+
+
+def claim(module: nn.Module, engine: object) -> None:
+    """``engine`` drives ``module`` from now on (until it is torn down or dropped)."""
+    _ENGINES[module] = weakref.ref(engine)
 
 
 @dataclass
@@ -169,3 +187,30 @@ def build(w: Where) -> Owners:
     grads = streamer(w, host, dev, profile)
     worker, delayed, step = stepper(w, dev, host, grads, weights, profile)
     return Owners(dev, part, profile, weights, host, grads, worker, delayed, step)
+
+
+def release(o: Owners, hooks: list, module: nn.Module, *, drain: bool,
+            restore: Callable[[], None] | None, keep_host: bool,
+            release_group: Callable[[], Any]) -> Exception | None:
+    """Teardown after the run's last collective, the mirror of :func:`build`: the worker stops,
+    the streamer's and the module's hooks go, ``restore`` (collective: the module's fp32
+    weights back) runs, the device weights and, unless ``keep_host``, the host buffers and the
+    engine's process group are freed, and the device closes. Returns ``restore``'s error."""
+    if o.worker is not None:
+        o.worker.close()
+    o.streamer.remove(drain=drain)  # False after a failed transfer: draining would raise
+    for h in hooks:
+        h.remove()
+    module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
+    error = None
+    try:
+        if restore is not None:
+            restore()
+    except Exception as e:
+        error = e
+    o.weights.free()
+    if not keep_host:  # a kept state still gathers over the engine's group
+        o.host.free()
+        release_group()
+    o.dev.close()  # after the host buffers: it empties the pinned-memory cache
+    return error

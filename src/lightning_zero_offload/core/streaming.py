@@ -176,8 +176,9 @@ class GradStreamer:
         """Bucket ``b``'s buffer, contents undefined (all written or zeroed before the flush); on
         the CPU with one rank the first flush lands in the fp32 host gradient (saving a copy)."""
         numel = self.layout.buckets[b].numel
-        if self._direct and self.flushes[b] == 0 and not self.host.grads.stages[b].resident:
-            return self.host.grads.grad(b)
+        stage = self.host.grads.stages[b]
+        if self._direct and self.flushes[b] == 0 and isinstance(stage, HostStage):
+            return stage.fp32_grad()
         if not self.dev.asynchronous:
             return self.dev.empty(numel, self.dtype)
         return self._ring.take(b, numel)
