@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.layout import Layout, shard_pieces
-from lightning_zero_offload.core.placement import host_numel
+from lightning_zero_offload.core.placement import host_numel, where
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.core.tensor_parallel import local
 
@@ -26,15 +26,14 @@ def fill_master(layout: Layout, rank: int, dtype: torch.dtype, pinned: bool,
     other buffers exist: setup never keeps the user's fp32 copy beside the master. The buckets
     of ``resident`` (the device's trailing ones) are filled into their stages' master instead."""
     on_host = host_numel(layout, len(resident))
-    first_resident = len(layout.buckets) - len(resident)
     master = [torch.zeros(k, pin_memory=pinned and dtype == torch.float32) for k in on_host]
     chunk = min(_FILL_CHUNK, max((hi - lo for _, lo, hi, _ in shard_pieces(layout, rank)),
                                  default=1))
     bufs: dict[tuple[torch.dtype, bool], Tensor] = {}
     for slot, lo, hi, at in shard_pieces(layout, rank):
         src = local(slot.param).detach().reshape(-1)[lo:hi]
-        if slot.bucket >= first_resident:
-            stage = resident[slot.bucket - first_resident]
+        stage = where(layout, resident, slot.bucket)
+        if stage is not None:
             off = at - layout.buckets[slot.bucket].host_offset
             stage.master[off : off + hi - lo].copy_(src)
             continue

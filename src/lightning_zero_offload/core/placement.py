@@ -10,7 +10,12 @@ fp32 master and both moments of one element are the same bytes wherever they liv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 from lightning_zero_offload.core.layout import Layout
+
+T = TypeVar("T")
 
 _TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
 
@@ -49,3 +54,10 @@ def host_numel(layout: Layout, on_device: int) -> list[int]:
     for bucket in layout.buckets[: len(layout.buckets) - on_device]:
         out[bucket.group] = max(out[bucket.group], bucket.host_offset + bucket.shard)
     return out
+
+
+def where(layout: Layout, resident: Sequence[T], b: int) -> T | None:
+    """Where bucket ``b``'s state lives: its stage among the device's trailing ``resident``
+    ones, or None where the host holds it. The one place that answers it."""
+    first = len(layout.buckets) - len(resident)
+    return resident[b - first] if b >= first else None

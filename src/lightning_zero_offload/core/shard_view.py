@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.placement import where
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.ops.moments import Moments
 
@@ -32,16 +33,15 @@ def saved_moment_dtype(host: HostBuffers) -> str:
 
 def bucket_master(host: HostBuffers, b: int) -> Tensor:
     """Bucket ``b``'s shard of the fp32 master, where it lives (host view or device tensor)."""
-    first = len(host.layout.buckets) - len(host.resident)
-    return host.resident[b - first].master if b >= first else host.state(b)[0]
+    stage = where(host.layout, host.resident, b)
+    return stage.master if stage is not None else host.state(b)[0]
 
 
 def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
     """Bucket ``b``'s shard of ``kind`` (``"master"`` or a moment's name) in fp32 on the host:
     the host's own array where it is fp32 there, else converted (this bucket alone)."""
-    first = len(host.layout.buckets) - len(host.resident)
-    if b >= first:
-        stage = host.resident[b - first]
+    stage = where(host.layout, host.resident, b)
+    if stage is not None:
         return stage.part(kind).cpu()
     master, mom = host.state(b)
     if kind == "master":
@@ -54,9 +54,8 @@ def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
 def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, ...] | None:
     """Bucket ``b``'s shard of the rule's state as the engine's own fp32 tensors (host fp32 arrays,
     or the device part's on the CPU compute device), to write in place; else None."""
-    first = len(host.layout.buckets) - len(host.resident)
-    if b >= first:
-        stage = host.resident[b - first]
+    stage = where(host.layout, host.resident, b)
+    if stage is not None:
         return tuple(stage.state) if stage.master.device.type == "cpu" else None
     mom = host.state(b)[1]
     return tuple(mom.arrays.values()) if mom.moment_dtype == "fp32" else None
@@ -118,9 +117,9 @@ def load_group(host: HostBuffers, g: int, master: Tensor, moments: Moments) -> N
 def write_moments(host: HostBuffers, b: int, state32: tuple[Tensor, ...]) -> None:
     """Bucket ``b``'s shard of the rule's state from fp32 arrays in its order (int8 host
     moments: rounded to nearest; the stochastic rounding is the kernel's, per step)."""
-    first = len(host.layout.buckets) - len(host.resident)
-    if b >= first:
-        for t, value in zip(host.resident[b - first].state, state32, strict=True):
+    stage = where(host.layout, host.resident, b)
+    if stage is not None:
+        for t, value in zip(stage.state, state32, strict=True):
             t.copy_(value)
         return
     bucket = host.layout.buckets[b]
