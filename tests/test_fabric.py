@@ -100,31 +100,26 @@ class OwnStepAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def test_adamw_subclass_matches_plain_fabric():
+def _matches_plain_fabric(optimizer_cls: type) -> None:
     data = batches()
-    plain = make("auto", optimizer_cls=SubAdamW)
+    plain = make("auto", optimizer_cls=optimizer_cls)
     train(*plain, data, steps=3)
-    offload = make("zero_offload", optimizer_cls=SubAdamW)
+    offload = make("zero_offload", optimizer_cls=optimizer_cls)
     train(*offload, data, steps=3)
     offload[0].strategy.teardown()
     ref = weights(plain[1])
     for k, v in weights(offload[1]).items():
         assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
+
+
+def test_adamw_subclass_matches_plain_fabric():
+    _matches_plain_fabric(SubAdamW)
     with pytest.raises(TypeError, match="OwnStepAdamW overrides step"):
         make("zero_offload", optimizer_cls=OwnStepAdamW)
 
 
 def test_lion_matches_plain_fabric():
-    lion = pytest.importorskip("lion_pytorch").Lion
-    data = batches()
-    plain = make("auto", optimizer_cls=lion)
-    train(*plain, data, steps=3)
-    offload = make("zero_offload", optimizer_cls=lion)
-    train(*offload, data, steps=3)
-    offload[0].strategy.teardown()
-    ref = weights(plain[1])
-    for k, v in weights(offload[1]).items():
-        assert (v - ref[k]).norm() / ref[k].norm() < 1e-5, k
+    _matches_plain_fabric(pytest.importorskip("lion_pytorch").Lion)
 
 
 def test_precision_is_fabrics_and_an_explicit_other_one_raises():

@@ -230,6 +230,31 @@ lzo::Moment moment_of(const torch::Tensor& m, const torch::Tensor& v) {
   }
 }
 
+// The fields every step kernel's arguments share (param, gradient, weights out, rounding key and
+// counter), checked: a direct call must not touch memory it should not.
+template <class Args>
+void bind_common(Args& a, torch::Tensor& param, torch::Tensor& grad,
+                 c10::optional<torch::Tensor>& out, int64_t key, int64_t offset) {
+  const int64_t n = param.numel();
+  TORCH_CHECK(param.scalar_type() == torch::kFloat, "param must be float32");
+  check(param, "param", n);
+  check(grad, "grad", n);
+  TORCH_CHECK(offset >= 0, "offset must be >= 0");
+  a.param = param.data_ptr<float>();
+  a.key = static_cast<uint32_t>(key);
+  a.offset = offset;
+  a.grad = grad.data_ptr();
+  a.grad_dtype = dtype_of(grad);
+  a.out = nullptr;
+  a.out_dtype = lzo::kNone;
+  if (out.has_value()) {
+    check(*out, "out", n);
+    a.out_dtype = dtype_of(*out);
+    TORCH_CHECK(a.out_dtype != lzo::kF32, "out must be bfloat16 or float16");
+    a.out = out->data_ptr();
+  }
+}
+
 void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                  torch::Tensor exp_avg_sq, c10::optional<torch::Tensor> out, int64_t step,
                  double lr, double beta1, double beta2, double eps, double weight_decay,
@@ -238,16 +263,12 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                  c10::optional<torch::Tensor> exp_avg_sq_scales, int64_t key, int64_t offset,
                  bool torch_pool) {
   const int64_t n = param.numel();
-  TORCH_CHECK(param.scalar_type() == torch::kFloat, "param must be float32");
+  lzo::AdamArgs a{};
+  bind_common(a, param, grad, out, key, offset);
   const lzo::Moment moment = moment_of(exp_avg, exp_avg_sq);
-  check(param, "param", n);
-  check(grad, "grad", n);
   check(exp_avg, "exp_avg", n);
   check(exp_avg_sq, "exp_avg_sq", n);
   TORCH_CHECK(step >= 1, "step must be >= 1");
-  TORCH_CHECK(offset >= 0, "offset must be >= 0");
-  lzo::AdamArgs a{};
-  a.param = param.data_ptr<float>();
   a.moment = moment;
   if (moment == lzo::kMomF32) {
     a.exp_avg = exp_avg.data_ptr<float>();
@@ -268,18 +289,6 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
     }
     a.m_scale = exp_avg_scales->data_ptr<float>();
     a.v_scale = exp_avg_sq_scales->data_ptr<float>();
-  }
-  a.key = static_cast<uint32_t>(key);
-  a.offset = offset;
-  a.grad = grad.data_ptr();
-  a.grad_dtype = dtype_of(grad);
-  a.out = nullptr;
-  a.out_dtype = lzo::kNone;
-  if (out.has_value()) {
-    check(*out, "out", n);
-    a.out_dtype = dtype_of(*out);
-    TORCH_CHECK(a.out_dtype != lzo::kF32, "out must be bfloat16 or float16");
-    a.out = out->data_ptr();
   }
   // Scalars as torch.optim.AdamW computes them: Python floats (double), rounded to float where
   // they meet a float32 tensor.
@@ -315,14 +324,10 @@ void fused_lion(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
                 c10::optional<torch::Tensor> exp_avg_scales, int64_t key, int64_t offset,
                 bool torch_pool) {
   const int64_t n = param.numel();
-  TORCH_CHECK(param.scalar_type() == torch::kFloat, "param must be float32");
-  const lzo::Moment moment = moment_of(exp_avg, exp_avg);
-  check(param, "param", n);
-  check(grad, "grad", n);
-  check(exp_avg, "exp_avg", n);
-  TORCH_CHECK(offset >= 0, "offset must be >= 0");
   lzo::LionArgs a{};
-  a.param = param.data_ptr<float>();
+  bind_common(a, param, grad, out, key, offset);
+  const lzo::Moment moment = moment_of(exp_avg, exp_avg);
+  check(exp_avg, "exp_avg", n);
   a.moment = moment;
   a.m = exp_avg.data_ptr();
   const bool q8 = moment == lzo::kMomQ8;
@@ -332,17 +337,6 @@ void fused_lion(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
     TORCH_CHECK(exp_avg_scales->scalar_type() == torch::kFloat, "scales must be float32");
     check(*exp_avg_scales, "scales", (n + lzo::kBlock - 1) / lzo::kBlock);
     a.m_scale = exp_avg_scales->data_ptr<float>();
-  }
-  a.key = static_cast<uint32_t>(key);
-  a.offset = offset;
-  a.grad = grad.data_ptr();
-  a.grad_dtype = dtype_of(grad);
-  a.out_dtype = lzo::kNone;
-  if (out.has_value()) {
-    check(*out, "out", n);
-    a.out_dtype = dtype_of(*out);
-    TORCH_CHECK(a.out_dtype != lzo::kF32, "out must be bfloat16 or float16");
-    a.out = out->data_ptr();
   }
   // Python floats rounded to float where they meet a float32 tensor, as in lion_pytorch.
   a.c = {static_cast<float>(grad_scale), static_cast<float>(decay), static_cast<float>(beta1),
