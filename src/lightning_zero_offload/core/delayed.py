@@ -16,6 +16,7 @@ until it is joined.
 
 from __future__ import annotations
 
+import enum
 import logging
 
 from lightning_zero_offload.core.host import HostBuffers
@@ -25,6 +26,14 @@ from lightning_zero_offload.core.update import HostUpdate, StepPlan
 from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 
 logger = logging.getLogger(__name__)
+
+
+class Phase(enum.Enum):
+    """Where the delayed update is between two steps."""
+
+    IDLE = "idle"  # none pending: the last one landed (or none was submitted)
+    RUNNING = "running"  # step ``pending``'s CPU step may still run on the worker
+    JOINED = "joined"  # the worker is done; its weights land at the next collective call
 
 
 class DelayedUpdate:
@@ -37,9 +46,9 @@ class DelayedUpdate:
                  weights: DeviceWeights, host: HostBuffers, update: HostUpdate) -> None:
         self.worker, self.profile, self.weights = worker, profile, weights
         self.host, self.update = host, update
-        self.pending: int | None = None
+        self.pending: int | None = None  # the step submitted, until it lands
+        self.phase = Phase.IDLE
         self._push: WeightPush | None = None
-        self._joined = False
 
     def submit(self, step: int, plan: StepPlan) -> None:
         """Step ``step``'s kernel on the worker: it reads the gradient set the step decided on
@@ -49,20 +58,20 @@ class DelayedUpdate:
         used = self.host.swap()
         push = self.weights.push(step, self.weights.spare)
         self.worker.submit(self.update.run, plan, push, False, used)
-        self.pending, self._push, self._joined = step, push, False
+        self.pending, self._push, self.phase = step, push, Phase.RUNNING
 
     def join(self) -> None:
         """Wait for the worker (the wait is the step's exposed stall)."""
         k = self.pending
-        if k is None or self._joined:
+        if self.phase is not Phase.RUNNING or k is None:
             return
-        self._joined = True
+        self.phase = Phase.JOINED
         with self.profile.span("stall", k):
             try:
                 assert self.worker is not None
                 self.worker.wait()
             except Exception as e:
-                self.pending = None
+                self.pending, self.phase = None, Phase.IDLE
                 if self._push is not None:
                     self._push.abandon()
                 self._push = None
@@ -75,7 +84,7 @@ class DelayedUpdate:
     def land(self) -> None:
         """Collective with several ranks: step i's weights become the module's."""
         self.join()
-        k, self.pending = self.pending, None
+        k, self.pending, self.phase = self.pending, None, Phase.IDLE
         push, self._push = self._push, None
         if k is None or push is None:
             return
