@@ -39,15 +39,15 @@ class ZeroOffloadConfig:
     """Options of :class:`~lightning_zero_offload.ZeroOffload`.
 
     ``precision`` is the dtype of the weights on the device (the master weights and gradients on
-    the host are always fp32). ``moment_dtype`` is how the host keeps both Adam moments:
-    ``"fp32"`` (exact ``torch.optim.AdamW``, 8 bytes per parameter), ``"bf16"`` (4 bytes) or
-    ``"int8"`` (block-wise 8-bit codes with one fp32 scale per 256 elements and moment, about
-    2.03 bytes; Dettmers et al., ICLR 2022; see ``lightning_zero_offload.ops.moments``). Compact
-    moments are written with stochastic rounding from ``moment_seed`` (so a run is repeatable,
-    and each element's rounding does not depend on threads, ranks' count or chunking).
-    ``bucket_size_mb`` bounds the device bytes of one
-    gradient bucket (in the compute dtype): smaller buckets start transfers earlier, larger ones
-    make fewer collective calls. ``cpu_threads=None`` uses the cores available to this process
+    the host are always fp32). ``moment_dtype`` is how the host keeps the optimizer's moments
+    (Adam's two, Lion's one): ``"fp32"`` (exact), ``"bf16"`` or ``"int8"`` (block-wise 8-bit
+    codes with one fp32 scale per 256 elements and moment; Dettmers et al., ICLR 2022; see
+    ``lightning_zero_offload.ops.moments``: 4, 2 and about 1.02 bytes per element and moment).
+    Compact moments are written with stochastic rounding from ``moment_seed`` (so a run is
+    repeatable, and each element's rounding does not depend on threads, ranks' count or
+    chunking). ``bucket_size_mb`` bounds the device bytes of one gradient bucket (in the
+    compute dtype): smaller buckets start transfers earlier, larger ones make fewer collective
+    calls. ``cpu_threads=None`` uses the cores available to this process
     divided by the ranks on this node (not ``torch.get_num_threads()``, which torchrun sets to 1),
     less one with ``delayed_update`` (the core that keeps the device fed). ``cpu_affinity`` binds
     the CPU step (a worker thread and the kernel threads it starts) to these core ids, e.g.

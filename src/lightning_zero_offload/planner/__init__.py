@@ -17,8 +17,9 @@ ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compu
 host, per rank
     exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
     functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
-    master weights ``4 S`` and the rule's state, Adam's two moments (``moment_dtype``:
-    fp32 ``8 S``, bf16 ``4 S``, int8 ``2 S`` plus an fp32 scale per 256 elements each); the
+    master weights ``4 S`` and the rule's state (``optimizer``; ``Rule.host_bytes``: Adam's two
+    moments, Lion's one, each fp32 ``4 S``, bf16 ``2 S`` or int8 ``S`` plus an fp32 scale per
+    256 elements, by ``moment_dtype``); the
     fp32 gradient ``4 S`` (as ``plan_counts`` counts it for a run that accumulates,
     ``accumulate``, or not; ``host_bytes_accumulating`` is the accumulating figure); on a GPU the
     gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
