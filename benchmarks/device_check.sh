@@ -82,7 +82,7 @@ fi
 step "CUDA tests (limit $TESTS_S s)"
 check "CUDA tests" timeout "$TESTS_S" $PY -m pytest -q -m cuda -p no:cacheprovider -o addopts="-ra" \
     --junitxml="$OUT/pytest_cuda.xml" tests/test_engine_cuda.py tests/test_delayed_update.py \
-    tests/test_profile.py tests/test_planner.py tests/test_tensor_parallel.py
+    tests/test_profile.py tests/test_planner.py tests/test_tensor_parallel.py tests/test_lion.py
 
 # Issue 11: the compact moments pay off where the step is memory-bound, which a 2-core machine
 # is not (int8 1.35-1.48x, bf16 0.80-0.84x of fp32 moments there); this host's 16 cores are.

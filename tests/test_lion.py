@@ -131,6 +131,25 @@ def test_device_rule_equals_the_kernel() -> None:
     assert torch.equal(dev_p, host_p) and torch.equal(dev_m, host_m.exp_avg)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_rule_on_cuda_tracks_the_kernel() -> None:
+    """The device part's torch ops on CUDA against the host kernel, 1M elements, 3 steps: within
+    a few sign flips (CUDA may round ``c`` differently; a sign flips only where ``c`` is within
+    rounding of zero, and each flip moves one weight by 2 lr); a wrong formula is far off."""
+    n, gen = 1 << 20, torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen)
+    host_p, host_m = p0.clone(), Lion.zeros(n, "fp32")
+    dev_p, dev_m = p0.cuda(), torch.zeros(n, device="cuda")
+    for step in range(1, 4):
+        g = torch.randn(n, generator=gen).bfloat16()
+        Lion().host_update(host_p, g, host_m, _hp(), step=step, grad_scale=0.25, out=None,
+                           threads=1, seed=0)
+        Lion().device_update(dev_p, g.cuda(), (dev_m,), _hp(), step=step, grad_scale=0.25)
+    assert rel_err(dev_p.cpu(), host_p) < 1e-4
+    assert rel_err(dev_m.cpu(), host_m.exp_avg) < 1e-6
+
+
 # --- the engine -------------------------------------------------------------------------------
 
 STEPS = 20
