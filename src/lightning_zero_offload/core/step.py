@@ -29,7 +29,7 @@ from lightning_zero_offload.core.scaler import DynamicLossScaler
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker
 from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate, Run, StepPlan
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 
 logger = logging.getLogger(__name__)
 
@@ -194,37 +194,51 @@ class Stepper:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, param_groups: list[dict], k: int) -> None:
-        """Step ``k`` (collective): settle it, land step k-1's delayed update, then run the
-        update here, on the core-bound worker (the gathers follow here), or, under delayed
-        update past its warm-up, on the worker into the spare weights (they land at the next
-        collective call)."""
+        """Step ``k`` (collective), in one line: decide, land step k-1's delayed update, the
+        device part, then the host part: here or on the core-bound worker (:meth:`_host_part`;
+        the gathers follow here), or, under delayed update past its warm-up, on the worker into
+        the spare weights (they land at the next collective call)."""
         plan = self.decide(param_groups, k)
         self.delayed.land()  # step k-1's update lands now, before step k+1's forward
-        cfg, prof, weights, update = self.config, self.profile, self.weights, self.update
         if plan is None:
-            prof.close(k)
-        elif cfg.delayed_update and self.steps[0] > cfg.delayed_update_warmup:
-            # The device part steps now, into both weight sets (the spare one lands next step).
+            self.profile.close(k)
+            return
+        delayed, weights = self._delays(), self.weights
+        # The device part now (its own span, device_step): under delayed update into both weight
+        # sets (the spare one lands next step), else into the live ones, gathered by the push.
+        targets = [weights.live]
+        if delayed:
             assert weights.spare is not None
-            self.device_update.run(plan, [weights.live, weights.spare], k)
+            targets.append(weights.spare)
+        self.device_update.run(plan, targets, k)
+        if delayed:
             weights.publish(self.device_update.buckets)
             self.delayed.submit(k, plan)
+            return
+        with self.profile.span("stall", k), weights.push(k, weights.live) as push:
+            self._host_part(plan, push)
+        self.profile.close(k)
+
+    def _delays(self) -> bool:
+        """Whether this step's host part runs delayed (past the warm-up, said once before)."""
+        cfg = self.config
+        if not cfg.delayed_update or self.steps[0] > cfg.delayed_update_warmup:
+            return cfg.delayed_update
+        if not self._told_warmup and self.rank == 0:
+            self._told_warmup = True  # a run shorter than the warm-up would never overlap
+            w = cfg.delayed_update_warmup
+            logger.warning("delayed update starts after %d warm-up steps "
+                           "(delayed_update_warmup=%d); until then each step runs "
+                           "synchronously", w, w)
+        return False
+
+    def _host_part(self, plan: StepPlan, push: WeightPush) -> None:
+        """The synchronous host part: on the worker bound to its cores (collectives stay on this
+        thread: the push gathers at its finish), else here, each bucket gathered when done."""
+        if self.worker is not None:
+            self.worker.run(self.update.run, plan, push, False)
         else:
-            if cfg.delayed_update and not self._told_warmup and self.rank == 0:
-                self._told_warmup = True  # a run shorter than the warm-up would never overlap
-                w = cfg.delayed_update_warmup
-                logger.warning("delayed update starts after %d warm-up steps "
-                               "(delayed_update_warmup=%d); until then each step runs "
-                               "synchronously", w, w)
-            # The device part (its own span, device_step), gathered by the push.
-            self.device_update.run(plan, [weights.live], k)
-            with prof.span("stall", k):
-                with weights.push(k, weights.live) as push:
-                    if self.worker is not None:  # bound to its cores; collectives stay here
-                        self.worker.run(update.run, plan, push, False)
-                    else:
-                        update.run(plan, push, True)
-            prof.close(k)
+            self.update.run(plan, push, True)
 
     # -- the counters a checkpoint keeps --------------------------------------------------------
     def state_dict(self) -> dict:
