@@ -50,6 +50,7 @@ fi
 T0=$SECONDS
 FAILED=()
 exec > >(tee "$OUT/device_check.log") 2>&1
+TEE=$!
 step() { echo; echo "=== [$((SECONDS - T0))s] $*"; }
 # check NAME CMD...: run CMD; a non-zero exit (124: its time limit) marks the job NAME failed
 check() {
@@ -106,5 +107,7 @@ $PY benchmarks/device_summary.py --out "$OUT" --wall-s "$((SECONDS - T0))" \
     $( ((REHEARSE)) && echo --rehearse) --failed "${FAILED[@]}"
 RC=$?
 exec >&- 2>&-  # let tee write the last lines before the exit status is reported
-wait
+# (for at most 5 s: a process a job left behind may hold the pipe open, and a plain `wait`
+# would then wait for it forever)
+for _ in {1..50}; do kill -0 "$TEE" 2>/dev/null || break; sleep 0.1; done
 exit "$RC"

@@ -1,10 +1,21 @@
 """Fixtures shared by several test modules."""
 
+import faulthandler
 import os
+import sys
 
 import pytest
 import torch
 from _helpers import compiled_kernel
+
+EXIT_S = 120  # a test process's shutdown takes seconds; CI's whole run has 90 minutes
+
+
+def pytest_unconfigure(config):
+    """A test process that has not exited ``EXIT_S`` seconds after its summary (a thread or a
+    child left blocked: the interpreter joins them at exit) prints every thread's stack and
+    exits with status 1, so CI names the hang instead of running out of time."""
+    faulthandler.dump_traceback_later(EXIT_S, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture
