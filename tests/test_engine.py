@@ -449,15 +449,15 @@ def test_teardown_returns_ordinary_fp32_parameters(precision):
 
 
 def test_full_state_dict_parts_equal_the_whole_and_gather_only_their_part(monkeypatch):
-    from lightning_zero_offload.core import shard_view
+    from lightning_zero_offload.core.shard import HostShard
 
     engine = engine_for(precision="bf16-mixed", max_grad_norm=1.0)
     train(engine, batches(3))
     full = engine.full_state_dict()
     gathered = []
-    read = shard_view.bucket_fp32
-    monkeypatch.setattr(shard_view, "bucket_fp32",
-                        lambda host, b, kind: gathered.append(kind) or read(host, b, kind))
+    read = HostShard.export
+    monkeypatch.setattr(HostShard, "export",
+                        lambda shard, kind: gathered.append(kind) or read(shard, kind))
     buckets = len(engine.layout.buckets)
     weights = engine.full_state_dict(optimizer=False)
     assert gathered == ["master"] * buckets and "optimizer" not in weights  # each bucket once

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
+
+from torch import Tensor
 
 from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.profile import ProfileRecorder
@@ -32,8 +35,16 @@ class Phase(enum.Enum):
     """Where the delayed update is between two steps."""
 
     IDLE = "idle"  # none pending: the last one landed (or none was submitted)
-    RUNNING = "running"  # step ``pending``'s CPU step may still run on the worker
+    RUNNING = "running"  # the pending step's CPU step may still run on the worker
     JOINED = "joined"  # the worker is done; its weights land at the next collective call
+
+
+@dataclass
+class Pending:
+    """A step's host part handed to the worker: the step, and the push writing its weights."""
+
+    step: int
+    push: WeightPush
 
 
 class DelayedUpdate:
@@ -46,9 +57,18 @@ class DelayedUpdate:
                  weights: DeviceWeights, host: HostBuffers, update: HostUpdate) -> None:
         self.worker, self.profile, self.weights = worker, profile, weights
         self.host, self.update = host, update
-        self.pending: int | None = None  # the step submitted, until it lands
+        self.pending: Pending | None = None  # the step submitted, until it lands
         self.phase = Phase.IDLE
-        self._push: WeightPush | None = None
+
+    def targets(self) -> list[list[Tensor]]:
+        """The device part writes both weight sets: the spare one lands with the host part."""
+        assert self.weights.spare is not None, "delayed update without spare weights"
+        return [self.weights.live, self.weights.spare]
+
+    def run(self, step: int, plan: StepPlan) -> None:
+        """The host part of a step, its device part done: on the worker (:meth:`submit`)."""
+        self.weights.publish([stage.b for stage in self.host.resident])
+        self.submit(step, plan)
 
     def submit(self, step: int, plan: StepPlan) -> None:
         """Step ``step``'s kernel on the worker: it reads the gradient set the step decided on
@@ -58,40 +78,38 @@ class DelayedUpdate:
         used = self.host.swap()
         push = self.weights.push(step, self.weights.spare)
         self.worker.submit(self.update.run, plan, push, False, used)
-        self.pending, self._push, self.phase = step, push, Phase.RUNNING
+        self.pending, self.phase = Pending(step, push), Phase.RUNNING
 
     def join(self) -> None:
         """Wait for the worker (the wait is the step's exposed stall)."""
-        k = self.pending
-        if self.phase is not Phase.RUNNING or k is None:
+        pending = self.pending
+        if self.phase is not Phase.RUNNING or pending is None:
             return
         self.phase = Phase.JOINED
-        with self.profile.span("stall", k):
+        with self.profile.span("stall", pending.step):
             try:
                 assert self.worker is not None
                 self.worker.wait()
             except Exception as e:
                 self.pending, self.phase = None, Phase.IDLE
-                if self._push is not None:
-                    self._push.abandon()
-                self._push = None
-                self.profile.close(k)
+                pending.push.abandon()
+                self.profile.close(pending.step)
                 raise RuntimeError(
-                    f"ZeroOffload: the delayed CPU step of step {k} failed on its worker thread "
-                    f"({type(e).__name__}: {e}); the host optimizer state may be partly "
-                    "updated, so resume from a checkpoint") from e
+                    f"ZeroOffload: the delayed CPU step of step {pending.step} failed on its "
+                    f"worker thread ({type(e).__name__}: {e}); the host optimizer state may be "
+                    "partly updated, so resume from a checkpoint") from e
 
     def land(self) -> None:
         """Collective with several ranks: step i's weights become the module's."""
         self.join()
-        k, self.pending, self.phase = self.pending, None, Phase.IDLE
-        push, self._push = self._push, None
-        if k is None or push is None:
+        pending, self.pending, self.phase = self.pending, None, Phase.IDLE
+        if pending is None:
             return
+        k = pending.step
         logger.debug("delayed update: step %d lands (gather and swap)", k)
         try:
             with self.profile.span("stall", k):
-                self.weights.land(push)
+                self.weights.land(pending.push)
         finally:
             self.profile.close(k)
         logger.debug("delayed update: step %d landed", k)

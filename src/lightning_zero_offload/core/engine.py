@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, setup, shard_view, tensor_parallel
+from lightning_zero_offload.core import checks, collectives, setup, tensor_parallel
 from lightning_zero_offload.core.checkpoint import EngineState, stream
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
@@ -213,7 +213,7 @@ class ZeroOffload:
         """Collective: every step lands, ``load(source)`` fills the host state, then the weights."""
         self.gather_weights()
         load(source)
-        self._weights.push_all([shard_view.bucket_master(self._host, b)
+        self._weights.push_all([self._host.shard(b).master
                                 for b in range(len(self.layout.buckets))])
         self._dev.compute_point()
 

@@ -33,12 +33,12 @@ from torch import Tensor
 from lightning_zero_offload.core.device_budget import state_bytes
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
-from lightning_zero_offload.core.placement import host_numel
+from lightning_zero_offload.core.placement import host_numel, where
 from lightning_zero_offload.core.preflight import check_lazy_fp32
 from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.shard import HostShard, Shard
 from lightning_zero_offload.core.stage import DeviceStage, HostStage
 from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
-from lightning_zero_offload.ops.moments import Moments
 
 _SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
 _MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)
@@ -271,7 +271,7 @@ class HostBuffers:
                           on_device=len(resident))
         self.master = master or [torch.zeros(k, pin_memory=pinned and not half) for k in n]
         self.moments = [rule.zeros(k, moment_dtype) for k in n]
-        self._views: dict[int, tuple[Tensor, Moments]] = {}  # state(b), made once
+        self._shards: list[Shard] | None = None  # shards(), made once
         # Each element draws its stochastic rounding from its place in the whole model (groups
         # back to back), not in this rank's shard: ranks do not round alike, and a layout that
         # is the same at another world size rounds the same.
@@ -285,26 +285,28 @@ class HostBuffers:
 
     def state_fp32(self, name: str) -> list[Tensor]:
         """The rule's state ``name`` per group, fp32 (``moment_dtype="fp32"`` only)."""
-        return [getattr(self._fp32(m), name) for m in self.moments]
+        if self.moment_dtype != "fp32":
+            raise RuntimeError(f"the moments are {self.moment_dtype}; use HostBuffers.moments")
+        return [getattr(m, name) for m in self.moments]
 
-    @staticmethod
-    def _fp32(m: Moments) -> Moments:
-        if m.moment_dtype != "fp32":
-            raise RuntimeError(f"the moments are {m.moment_dtype}; use HostBuffers.moments")
-        return m
+    def shard(self, b: int) -> Shard:
+        """Bucket ``b``'s shard of the master and the rule's state, where it lives."""
+        return self.shards()[b]
 
-    def state(self, b: int) -> tuple[Tensor, Moments]:
-        """Bucket ``b``'s shard of the master weights and of the moments (block-aligned views:
+    def shards(self) -> list[Shard]:
+        """Every bucket's shard, made once: a device stage, or the host's (block-aligned views:
         the layout pads bucket shards to whole blocks for 8-bit moments)."""
-        views = self._views.get(b)
-        if views is None:
-            bucket = self.layout.buckets[b]
-            sl = slice(bucket.host_offset, bucket.host_offset + bucket.shard)
-            g = bucket.group
-            mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
-            lo, _ = bucket.shard_range(self.rank)
-            views = self._views[b] = (self.master[g][sl], mom.at(self._base[g] + lo))
-        return views
+        if self._shards is None:
+            self._shards = [where(self.layout, self.resident, b) or self._host_shard(b)
+                            for b in range(len(self.layout.buckets))]
+        return self._shards
+
+    def _host_shard(self, b: int) -> HostShard:
+        bucket = self.layout.buckets[b]
+        g, sl = bucket.group, slice(bucket.host_offset, bucket.host_offset + bucket.shard)
+        mom = self.moments[g].chunk(bucket.host_offset, bucket.shard)
+        lo, _ = bucket.shard_range(self.rank)
+        return HostShard(b, self.master[g][sl], mom.at(self._base[g] + lo), self.rule)
 
     def need_fp32_grads(self) -> None:
         """A backward is about to accumulate: the fp32 gradient of both sets exists from here on
@@ -353,7 +355,7 @@ class HostBuffers:
         arrays and the old ones go. Between steps, nothing in flight. ``release`` returns freed
         pinned blocks to the system (CUDA caches them). Returns the new sizes."""
         dtype, asynchronous, pinned = self._args
-        self._views.clear()  # views would keep the old arrays alive while the new ones are made
+        self._shards = None  # views would keep the old arrays alive while the new ones are made
         self.resident = resident = [*resident, *self.resident]
         n = host_numel(self.layout, len(resident))
         half = dtype != torch.float32
@@ -391,7 +393,7 @@ class HostBuffers:
         for stage in self.resident:
             stage.free()
         self.master, self.moments, self.resident = [], [], []
-        self._views.clear()
+        self._shards = None
         for s in (self.grads, self.spare):
             if s is not None:
                 s.free()

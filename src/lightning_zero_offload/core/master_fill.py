@@ -34,8 +34,7 @@ def fill_master(layout: Layout, rank: int, dtype: torch.dtype, pinned: bool,
         src = local(slot.param).detach().reshape(-1)[lo:hi]
         stage = where(layout, resident, slot.bucket)
         if stage is not None:
-            off = at - layout.buckets[slot.bucket].host_offset
-            stage.master[off : off + hi - lo].copy_(src)
+            stage.load(src, at=at - layout.buckets[slot.bucket].host_offset)
             continue
         dst = master[slot.group][at : at + hi - lo]
         if src.device.type == "cpu" and src.dtype == torch.float32:

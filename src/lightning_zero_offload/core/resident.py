@@ -222,7 +222,5 @@ def _take_state(stage: DeviceStage, host: HostBuffers) -> None:
     """``stage`` gets its bucket's master and moments from ``host``. A function of its own: the
     host views die with it, since a view left in the caller would keep the host's whole old
     arrays alive while ``move_to_device`` makes the shorter ones."""
-    master, moments = host.state(stage.b)
-    stage.master.copy_(master)
-    for t, value in zip(stage.state, moments.to_fp32(), strict=True):
-        t.copy_(value)
+    shard = host.shard(stage.b)
+    stage.load(shard.master, shard.export_state())

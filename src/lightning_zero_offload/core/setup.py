@@ -39,7 +39,7 @@ from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
-from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate
+from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate, SyncUpdate
 from lightning_zero_offload.core.weights import DeviceWeights
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
@@ -158,9 +158,9 @@ def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
                         profile=profile)
     delayed = DelayedUpdate(worker, profile, weights, host, update)
     on_device = DeviceUpdate(w.layout, host, rank=w.rank, profile=profile)
-    step = Stepper(w.layout, grads, weights, update, on_device, delayed, c,
-                   rule=w.rule, rank=w.rank, process_group=w.group, device=w.device,
-                   profile=profile, worker=worker)
+    sync = SyncUpdate(update, worker, weights, profile)
+    step = Stepper(w.layout, grads, on_device, sync, delayed, c, rule=w.rule, rank=w.rank,
+                   process_group=w.group, device=w.device, profile=profile)
     return worker, delayed, step
 
 

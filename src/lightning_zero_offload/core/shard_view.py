@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.host import HostBuffers
-from lightning_zero_offload.core.placement import where
 from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.ops.moments import Moments
 
@@ -31,42 +30,12 @@ def saved_moment_dtype(host: HostBuffers) -> str:
     return "fp32" if host.resident else host.moment_dtype
 
 
-def bucket_master(host: HostBuffers, b: int) -> Tensor:
-    """Bucket ``b``'s shard of the fp32 master, where it lives (host view or device tensor)."""
-    stage = where(host.layout, host.resident, b)
-    return stage.master if stage is not None else host.state(b)[0]
-
-
-def bucket_fp32(host: HostBuffers, b: int, kind: str) -> Tensor:
-    """Bucket ``b``'s shard of ``kind`` (``"master"`` or a moment's name) in fp32 on the host:
-    the host's own array where it is fp32 there, else converted (this bucket alone)."""
-    stage = where(host.layout, host.resident, b)
-    if stage is not None:
-        return stage.part(kind).cpu()
-    master, mom = host.state(b)
-    if kind == "master":
-        return master
-    if mom.moment_dtype == "fp32":
-        return getattr(mom, kind)
-    return mom.to_fp32()[mom.names.index(kind)]
-
-
-def own_fp32_moments(host: HostBuffers, b: int) -> tuple[Tensor, ...] | None:
-    """Bucket ``b``'s shard of the rule's state as the engine's own fp32 tensors (host fp32 arrays,
-    or the device part's on the CPU compute device), to write in place; else None."""
-    stage = where(host.layout, host.resident, b)
-    if stage is not None:
-        return tuple(stage.state) if stage.master.device.type == "cpu" else None
-    mom = host.state(b)[1]
-    return tuple(mom.arrays.values()) if mom.moment_dtype == "fp32" else None
-
-
 def group_master(host: HostBuffers, g: int) -> Tensor:
     """Group ``g``'s whole fp32 master shard on the host."""
     stages = _resident(host, g)
     if not stages:
         return host.master[g]
-    return torch.cat([host.master[g], *(s.master.cpu() for s in stages)])
+    return torch.cat([host.master[g], *(s.export("master") for s in stages)])
 
 
 def group_pieces(host: HostBuffers, g: int, kind: str) -> Iterator[Tensor]:
@@ -79,9 +48,9 @@ def group_pieces(host: HostBuffers, g: int, kind: str) -> Iterator[Tensor]:
         for b, bucket in enumerate(host.layout.buckets[: len(host.layout.buckets)
                                                        - len(host.resident)]):
             if bucket.group == g:
-                yield bucket_fp32(host, b, kind)
+                yield host.shard(b).export(kind)
     for stage in _resident(host, g):
-        yield stage.part(kind).cpu()
+        yield stage.export(kind)
 
 
 def group_moments(host: HostBuffers, g: int) -> Moments:
@@ -90,7 +59,8 @@ def group_moments(host: HostBuffers, g: int) -> Moments:
     if saved_moment_dtype(host) == host.moment_dtype and not stages:
         return mine
     own = mine.to_fp32() if mine.numel else tuple(torch.zeros(0) for _ in mine.names)
-    whole = (torch.cat([x, *(s.state[i].cpu() for s in stages)]) for i, x in enumerate(own))
+    whole = (torch.cat([x, *(s.export(name) for s in stages)])
+             for name, x in zip(mine.names, own, strict=True))
     return Moments("fp32", *whole, names=mine.names)
 
 
@@ -106,22 +76,7 @@ def load_group(host: HostBuffers, g: int, master: Tensor, moments: Moments) -> N
         for b, bucket in enumerate(host.layout.buckets):
             if bucket.group == g and bucket.host_offset < n:
                 a, k = bucket.host_offset, bucket.shard
-                write_moments(host, b, moments.chunk(a, k).to_fp32())
+                host.shard(b).load(state32=moments.chunk(a, k).to_fp32())
     for stage in _resident(host, g):
         a, k = host.layout.buckets[stage.b].host_offset, host.layout.buckets[stage.b].shard
-        stage.master.copy_(master[a : a + k])
-        write_moments(host, stage.b, moments.chunk(a, k).to_fp32())
-
-
-@torch.no_grad()
-def write_moments(host: HostBuffers, b: int, state32: tuple[Tensor, ...]) -> None:
-    """Bucket ``b``'s shard of the rule's state from fp32 arrays in its order (int8 host
-    moments: rounded to nearest; the stochastic rounding is the kernel's, per step)."""
-    stage = where(host.layout, host.resident, b)
-    if stage is not None:
-        for t, value in zip(stage.state, state32, strict=True):
-            t.copy_(value)
-        return
-    bucket = host.layout.buckets[b]
-    host.moments[bucket.group].chunk(bucket.host_offset, bucket.shard).copy_(
-        host.rule.from_fp32(state32, host.moment_dtype))
+        stage.load(master[a : a + k], moments.chunk(a, k).to_fp32())

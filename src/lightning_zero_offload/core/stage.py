@@ -14,17 +14,21 @@ The memory itself (pinned arena blocks, fp32 arrays per group) is allocated and 
 ``core.host``; a stage holds views of its bucket's slices, given by its gradient set.
 :class:`DeviceStage` is its sibling for a bucket whose optimizer state is kept on the device
 (``core.placement``): it holds that state (fp32 master and moments) and the bucket's reduced
-gradient there, filled on the same side stream, and never crosses to the host.
+gradient there, filled on the same side stream, and never crosses to the host; it is also that
+bucket's ``core.shard.Shard`` (the host's is ``shard.HostShard``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.shard import Run
 
 
 class HostStage:
@@ -130,7 +134,7 @@ class HostStage:
 
 class DeviceStage:
     """Bucket ``b``'s shard kept on the device: its fp32 master and the rule's state (fp32, in
-    the order of the rule's ``names``: :attr:`state`, :meth:`part` by name), and its reduced
+    the order of the rule's ``names``: :attr:`state`), and its reduced
     gradient (compute dtype after one flush; fp32, allocated at the first flush that adds, when
     micro-batches accumulate). Both gradient sets share it: the device part steps at once, also
     under delayed update. Every write is queued on the stream the streamer gives (after the
@@ -160,9 +164,36 @@ class DeviceStage:
     def tensors(self) -> list[Tensor]:
         return [t for t in (self.master, *self.state, self._grad, self._fp32) if t is not None]
 
-    def part(self, kind: str) -> Tensor:
-        """``"master"`` or one of the rule's state tensors by its name."""
-        return self.master if kind == "master" else self.state[self.names.index(kind)]
+    # -- the shard's side (``core.shard.Shard``) ----------------------------------------------
+    def step(self, rule: Rule, source: Tensor, hp: Any, runs: Sequence[Run], grad_scale: float,
+             *, out: Tensor | None = None, threads: int = 1, seed: int = 0) -> None:
+        """The rule's device update over each run, on the compute stream (torch ops: no host
+        threads, no seed; the caller casts the new weights from :attr:`master`, no ``out``)."""
+        assert out is None, "the device part's weights are cast from its master"
+        for begin, end, k in runs:
+            sl = slice(begin, end)
+            rule.device_update(self.master[sl], source[sl], [t[sl] for t in self.state], hp,
+                               step=k, grad_scale=grad_scale)
+
+    def export(self, kind: str) -> Tensor:
+        """``"master"`` or one of the rule's state tensors by its name, on the host."""
+        return (self.master if kind == "master" else self.state[self.names.index(kind)]).cpu()
+
+    def export_state(self) -> tuple[Tensor, ...]:
+        return tuple(t.cpu() for t in self.state)
+
+    def own_fp32(self) -> tuple[Tensor, ...] | None:
+        """The state tensors themselves where they are host memory (the CPU compute device)."""
+        return tuple(self.state) if self.master.device.type == "cpu" else None
+
+    def load(self, master: Tensor | None = None, state32: Sequence[Tensor] | None = None,
+             at: int = 0) -> None:
+        """fp32 ``master`` and ``state32`` (the rule's order) from element ``at`` on."""
+        if master is not None:
+            self.master[at : at + master.numel()].copy_(master)
+        if state32 is not None:
+            for t, value in zip(self.state, state32, strict=True):
+                t[at : at + value.numel()].copy_(value)
 
     def free(self) -> None:
         """Give the device memory back: nothing of it stays referenced (a gradient set, or an

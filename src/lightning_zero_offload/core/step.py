@@ -26,10 +26,9 @@ from lightning_zero_offload.core.layout import Layout, shard_align
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.scaler import DynamicLossScaler
+from lightning_zero_offload.core.shard import Run
 from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.threads import CpuStepWorker
-from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate, Run, StepPlan
-from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
+from lightning_zero_offload.core.update import DeviceUpdate, StepPlan, SyncUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +59,12 @@ def clip_coef(max_norm: float, norm: float) -> float:
 class Stepper:
     """Owns the step counts, the pending clip coefficient and the fp16 loss scaler."""
 
-    def __init__(self, layout: Layout, streamer: GradStreamer, weights: DeviceWeights,
-                 update: HostUpdate, device_update: DeviceUpdate, delayed: DelayedUpdate,
-                 config: ZeroOffloadConfig, *,
+    def __init__(self, layout: Layout, streamer: GradStreamer, device_update: DeviceUpdate,
+                 sync: SyncUpdate, delayed: DelayedUpdate, config: ZeroOffloadConfig, *,
                  rule: Rule, rank: int, process_group: object | None,
-                 device: torch.device, profile: ProfileRecorder,
-                 worker: CpuStepWorker | None) -> None:
-        self.layout, self.streamer, self.weights = layout, streamer, weights
-        self.update, self.delayed, self.worker = update, delayed, worker
-        self.device_update = device_update
+                 device: torch.device, profile: ProfileRecorder) -> None:
+        self.layout, self.streamer = layout, streamer
+        self.device_update, self.sync, self.delayed = device_update, sync, delayed  # the parts
         self.config, self.rule, self.rank, self.group = config, rule, rank, process_group
         self.world_size, self.device, self.profile = layout.world_size, device, profile
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
@@ -195,29 +191,17 @@ class Stepper:
     # -- the step ---------------------------------------------------------------------------
     def step(self, param_groups: list[dict], k: int) -> None:
         """Step ``k`` (collective), in one line: decide, land step k-1's delayed update, the
-        device part, then the host part: here or on the core-bound worker (:meth:`_host_part`;
-        the gathers follow here), or, under delayed update past its warm-up, on the worker into
-        the spare weights (they land at the next collective call)."""
+        device part (its own span, device_step), then the host part where it runs: here or on
+        the core-bound worker (``update.SyncUpdate``), or, under delayed update past its
+        warm-up, on the worker into the spare weights (they land at the next collective call)."""
         plan = self.decide(param_groups, k)
         self.delayed.land()  # step k-1's update lands now, before step k+1's forward
         if plan is None:
             self.profile.close(k)
             return
-        delayed, weights = self._delays(), self.weights
-        # The device part now (its own span, device_step): under delayed update into both weight
-        # sets (the spare one lands next step), else into the live ones, gathered by the push.
-        targets = [weights.live]
-        if delayed:
-            assert weights.spare is not None
-            targets.append(weights.spare)
-        self.device_update.run(plan, targets, k)
-        if delayed:
-            weights.publish(self.device_update.buckets)
-            self.delayed.submit(k, plan)
-            return
-        with self.profile.span("stall", k), weights.push(k, weights.live) as push:
-            self._host_part(plan, push)
-        self.profile.close(k)
+        host_part = self.delayed if self._delays() else self.sync
+        self.device_update.run(plan, host_part.targets(), k)
+        host_part.run(k, plan)
 
     def _delays(self) -> bool:
         """Whether this step's host part runs delayed (past the warm-up, said once before)."""
@@ -231,14 +215,6 @@ class Stepper:
                            "(delayed_update_warmup=%d); until then each step runs "
                            "synchronously", w, w)
         return False
-
-    def _host_part(self, plan: StepPlan, push: WeightPush) -> None:
-        """The synchronous host part: on the worker bound to its cores (collectives stay on this
-        thread: the push gathers at its finish), else here, each bucket gathered when done."""
-        if self.worker is not None:
-            self.worker.run(self.update.run, plan, push, False)
-        else:
-            self.update.run(plan, push, True)
 
     # -- the counters a checkpoint keeps --------------------------------------------------------
     def state_dict(self) -> dict:

@@ -3,8 +3,9 @@
 :meth:`HostUpdate.run` is the whole CPU side of a decided step (:class:`StepPlan`): per bucket
 shard, the rule's kernel over its runs (ranges cut where parameters skip), each finished bucket's
 new weights queued on the step's ``WeightPush`` while the next computes. It runs on the caller's
-thread, on the core-bound worker, or (delayed update) on the worker into the spare weights; it
-issues a collective (``push.gather``) only when told it is on the caller's thread. With half
+thread or on the core-bound worker (:class:`SyncUpdate`), or (delayed update) on the worker into
+the spare weights; it issues a collective (``push.gather``) only when told it is on the caller's
+thread. With half
 weights on an asynchronous device the kernel writes them over the bucket's staging slice (in
 place over the half gradient it reads, or over the staging already folded into the fp32
 gradient) and the copy reads them there; on the CPU they go straight into the weights (one rank)
@@ -24,10 +25,10 @@ from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.shard import Run
 from lightning_zero_offload.core.stage import HostStage
-from lightning_zero_offload.core.weights import WeightPush
-
-Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
+from lightning_zero_offload.core.threads import CpuStepWorker
+from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 
 
 @dataclass
@@ -68,28 +69,19 @@ class HostUpdate:
         assert k is not None, "a kernel push has a profile step"
         push.wait_sources()  # the last push's copies have read the buffers rewritten here
         with self.profile.span("cpu_step", k):
-            for b, bucket in enumerate(self.layout.buckets):
+            for b, shard in enumerate(self.host.shards()):
                 stage = gset.stages[b]
-                if not isinstance(stage, HostStage):  # stepped on the device (DeviceUpdate),
-                    continue  # gathered by the push's finish
-                hp = plan.hparams[bucket.group]
-                master, moments = self.host.state(b)
+                if shard.resident:  # stepped on the device (DeviceUpdate), gathered by the
+                    break  # push's finish: the device part is the trailing buckets
+                assert isinstance(stage, HostStage)
                 lo, hi = self._ranges[b]
-                out = (push.target[bucket.group][lo:hi] if self.out_direct
+                out = (push.target[self.layout.buckets[b].group][lo:hi] if self.out_direct
                        else stage.weights_out() if self.staged_out else None)
-                done = 0
-                for begin, end, step in plan.runs[b]:
-                    _untouched(master, out, done, begin)
-                    sl = slice(begin, end)
-                    plan.rule.host_update(master[sl], sources[b][sl],
-                                          moments.chunk(begin, end - begin), hp, step=step,
-                                          grad_scale=plan.grad_scale,
-                                          out=None if out is None else out[sl],
-                                          threads=self.threads, seed=self.seed)
-                    done = end
-                _untouched(master, out, done, bucket.shard)
+                shard.step(plan.rule, sources[b], plan.hparams[self.layout.buckets[b].group],
+                           plan.runs[b], plan.grad_scale, out=out, threads=self.threads,
+                           seed=self.seed)
                 if not self.out_direct:
-                    push.copy(b, master if out is None else out)
+                    push.copy(b, shard.master if out is None else out)
                 if out is not None and not self.out_direct:
                     stage.weights_read_by(push.hand_back(out))  # rule 6: the next d2h waits
                 if gather:
@@ -102,11 +94,27 @@ class HostUpdate:
                              and (not self.staged_out or s.dtype == torch.float32)])
 
 
-def _untouched(master: Tensor, out: Tensor | None, begin: int, end: int) -> None:
-    """A range the kernel skips: its half weights, which ``out`` (staging, or the spare weights
-    of the delayed update) may hold stale, are the master's again."""
-    if out is not None and begin < end:
-        out[begin:end].copy_(master[begin:end])
+class SyncUpdate:
+    """Where a synchronous step's host part runs: on the core-bound worker (collectives stay on
+    the caller's thread: the push gathers at its finish), else on the caller's thread, each
+    bucket gathered when done. The step hands it a decided plan, as it hands the delayed one
+    (``core.delayed.DelayedUpdate``): both say which weight buffers the device part writes
+    (:meth:`targets`) and run the host part (:meth:`run`)."""
+
+    def __init__(self, update: HostUpdate, worker: CpuStepWorker | None, weights: DeviceWeights,
+                 profile: ProfileRecorder) -> None:
+        self.update, self.worker, self.weights, self.profile = update, worker, weights, profile
+
+    def targets(self) -> list[list[Tensor]]:
+        return [self.weights.live]
+
+    def run(self, step: int, plan: StepPlan) -> None:
+        with self.profile.span("stall", step), self.weights.push(step, self.weights.live) as push:
+            if self.worker is not None:
+                self.worker.run(self.update.run, plan, push, False)
+            else:
+                self.update.run(plan, push, True)
+        self.profile.close(step)
 
 
 class DeviceUpdate:
@@ -134,14 +142,9 @@ class DeviceUpdate:
         sources = plan.grads.sources
         with self.profile.span("device_step", step):
             for stage in self.host.resident:
-                b = stage.b
-                bucket = self.layout.buckets[b]
-                hp = plan.hparams[bucket.group]
-                for begin, end, k in plan.runs[b]:
-                    sl = slice(begin, end)
-                    plan.rule.device_update(stage.master[sl], sources[b][sl],
-                                            [t[sl] for t in stage.state], hp, step=k,
-                                            grad_scale=plan.grad_scale)
+                bucket = self.layout.buckets[stage.b]
+                stage.step(plan.rule, sources[stage.b], plan.hparams[bucket.group],
+                           plan.runs[stage.b], plan.grad_scale)
                 lo, hi = bucket.shard_range(self.rank)
                 for target in targets:
                     target[bucket.group][lo:hi].copy_(stage.master)

@@ -222,19 +222,19 @@ class EngineState:
                 pieces.setdefault(piece[0].bucket, []).append(piece)
             for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
                 a, k = bucket.host_offset, bucket.shard
-                master = shard_view.bucket_master(self.host, b)
-                own = shard_view.own_fp32_moments(self.host, b)  # written in place: no copy
+                shard = self.host.shard(b)
+                own = shard.own_fp32()  # written in place: no copy
                 state32 = ([t.zero_() for t in own] if own else
                            [torch.zeros(k) for _ in self.host.rule.STATE])
                 for slot, lo, hi, at in pieces.get(b, []):
                     sl = slice(at - a, at - a + hi - lo)
-                    master[sl] = stream.made(model[slot.name]).reshape(-1)[lo:hi]
+                    shard.load(stream.made(model[slot.name]).reshape(-1)[lo:hi], at=at - a)
                     st = states.get(slot.index)
                     if st:
                         for t, name in zip(state32, self.host.rule.STATE, strict=True):
                             t[sl] = stream.made(st[name]).reshape(-1)[lo:hi]
                 if own is None:
-                    shard_view.write_moments(self.host, b, tuple(state32))
+                    shard.load(state32=tuple(state32))
                     trim()  # the conversion's temporaries, before the next bucket's
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):

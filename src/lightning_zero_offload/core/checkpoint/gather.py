@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives, shard_view
+from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.core.checkpoint.stream import Later
 
@@ -41,7 +41,7 @@ class BucketGather:
         if self._key != (kind, b) or self._whole is None:
             self._whole = None  # the previous bucket goes before the next is gathered
             trim()
-            mine = shard_view.bucket_fp32(self.host, b, kind)
+            mine = self.host.shard(b).export(kind)
             if self.layout.world_size == 1:
                 self._whole = mine
             else:
