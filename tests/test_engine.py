@@ -169,6 +169,25 @@ def test_accumulation_equals_big_batch():
     assert rel_err(ns.module, one.module) < 1e-5
 
 
+def test_a_backward_that_does_not_sync_keeps_its_gradients_on_the_device():
+    """``sync_gradients=False`` and ``no_sync()`` send nothing (no bucket flushed, every
+    ``.grad`` kept); the next backward that syncs sends each bucket once, with them; a plain
+    ``loss.backward()`` outside ``no_sync()`` sends too."""
+    engine = engine_for(precision="32-true")
+    streamer, params = engine._streamer, list(engine.module.parameters())
+    (x, y), (x2, y2), (x3, y3) = batches(3)
+    engine.backward(lm_loss(engine.module(x), y), sync_gradients=False)
+    with engine.no_sync():
+        lm_loss(engine.module(x2), y2).backward()
+    assert streamer.flushes == [0] * len(streamer.flushes)
+    assert all(p.grad is not None for p in params)
+    engine.backward(lm_loss(engine.module(x3), y3))
+    assert streamer.flushes == [1] * len(streamer.flushes)
+    assert all(p.grad is None for p in params)
+    lm_loss(engine.module(x), y).backward()
+    assert streamer.flushes == [2] * len(streamer.flushes)
+
+
 def test_fp16_overflow_skips_exactly_that_step():
     engine = engine_for(precision="16-mixed", max_grad_norm=1.0, initial_loss_scale=1024.0)
     data = batches(5)

@@ -11,6 +11,7 @@ When micro-batches accumulate, a host task moves the previous flush into the fp3
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -47,6 +48,18 @@ def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
     return ranges
 
 
+class Pass(enum.Enum):
+    """Where the streamer is in a backward pass, as its hooks see it."""
+
+    IDLE = "idle"  # none: a backward now sends its gradients unless inside ``no_sync()``
+    SYNC = "sync"  # an engine backward that reduces and sends its gradients; no hook yet
+    LOCAL = "local"  # an engine backward whose gradients stay on the device (hooks do nothing)
+    RUNNING = "running"  # hooks are sending; ``end_backward`` is queued for the pass's end
+
+
+_SENDS = {Pass.SYNC: True, Pass.LOCAL: False, Pass.RUNNING: True}  # IDLE: not in no_sync()
+
+
 def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
     ref = weakref.ref(streamer)  # the module's hooks must not keep a dropped engine alive
 
@@ -64,7 +77,7 @@ class GradStreamer:
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
         self._local = False  # inside no_sync(): backward passes keep gradients on the device
-        self._pass_sync: bool | None = None  # the mode of the backward running now, if any
+        self._pass = Pass.IDLE
         self.profile_step = 1  # the optimizer step these gradients are for
         nb = len(layout.buckets)
         self._gaps = [_gaps(layout, b) for b in range(nb)]
@@ -79,7 +92,6 @@ class GradStreamer:
         # a step without a backward still steps them (as torch's AdamW steps zeroed grads)
         self.zeroed = False
         self._next = 0
-        self._in_backward = False
         self.flushes = [0] * nb  # since zero_grad
         self.stats: list[Tensor] = []  # device sum of squares of every flushed shard
         self._direct = not dev.asynchronous and self.world_size == 1
@@ -101,7 +113,7 @@ class GradStreamer:
     @property
     def sync(self) -> bool:
         """Whether the hooks reduce and send gradients now (else they stay on the device)."""
-        return self._pass_sync if self._pass_sync is not None else not self._local
+        return _SENDS.get(self._pass, not self._local)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -117,8 +129,8 @@ class GradStreamer:
         """One backward through the engine; ``sync=False`` keeps its gradients on the device.
         The fp32 gradient it will add into exists before autograd starts (never in a hook); a
         failed pass is forgotten (:meth:`discard`)."""
-        self._pass_sync = sync and not self._local
-        if self._pass_sync and self.will_accumulate():
+        self._pass = Pass.SYNC if sync and not self._local else Pass.LOCAL
+        if self._pass is Pass.SYNC and self.will_accumulate():
             self.host.need_fp32_grads()  # a flush adds to an earlier one: allocated once
         try:
             yield
@@ -126,7 +138,7 @@ class GradStreamer:
             self.discard()
             raise
         finally:
-            self._pass_sync = None
+            self._pass = Pass.IDLE
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_grad(self, i: int, param: Tensor) -> None:
@@ -144,8 +156,8 @@ class GradStreamer:
                 f"ZeroOffload: the gradient of {slot.name!r} arrived twice in one backward pass "
                 "(reentrant activation checkpointing?); use checkpoint(..., use_reentrant=False)"
             )
-        if not self._in_backward:
-            self._in_backward = True
+        if self._pass is not Pass.RUNNING:
+            self._pass = Pass.RUNNING
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self._add_to_bucket(i, slot, grad)
         param.grad = None
@@ -187,7 +199,7 @@ class GradStreamer:
         """Flush every bucket not flushed yet, in order, with the gradients that did arrive
         (unused parameters contribute zeros, as in DDP with ``find_unused_parameters``, and keep
         ``had_grad`` False: the step leaves them alone unless another rank's gradient came)."""
-        if not self._in_backward:
+        if self._pass is not Pass.RUNNING:
             return
         for b in range(self._next, len(self.layout.buckets)):
             for i in self.layout.buckets[b].slots:
@@ -202,7 +214,7 @@ class GradStreamer:
         self._next = 0
         self._ready = [0] * len(self._ready)
         self._arrived = [False] * len(self._arrived)
-        self._in_backward = False
+        self._pass = Pass.IDLE
 
     def discard(self) -> None:
         """After a failed backward: forget its partial buckets (nothing was sent for them)."""
@@ -332,8 +344,10 @@ class GradStreamer:
         so poisoned on the emulated device); buckets that got nothing are zeroed. Later calls
         before another flush return the same. ``next_step``: gradients arriving from here on
         are for that optimizer step (the profile's)."""
-        if not self._in_backward and any(s.param.grad is not None for s in self.layout.slots):
-            self._in_backward = True  # an accumulating flush allocates the fp32 gradient
+        if self._pass is not Pass.RUNNING and any(s.param.grad is not None
+                                                  for s in self.layout.slots):
+            self._pass = Pass.RUNNING  # left by no_sync: end_backward flushes them (an
+            # accumulating flush allocates the fp32 gradient)
         self.end_backward()
         self.drain()
         if next_step is not None:
