@@ -135,7 +135,7 @@ class ZeroOffload:
             self._check_params()
             self._calls += 1
             self._timer.close(self._calls)
-            self._stepper.step(self.optimizer.param_groups, self._calls)
+            self._stepper.step(self.optimizer.param_groups, self._calls, self.optimizer.hooked)
             self._state.saves.poll()  # an asynchronous save published once every rank wrote it
             if self._part.wants_move:  # "auto": once, after the first step
                 self._part.move(self._host, self._delayed, self._streamer)

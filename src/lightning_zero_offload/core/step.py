@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,11 @@ from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.update import DeviceUpdate, StepPlan, SyncUpdate
 
 logger = logging.getLogger(__name__)
+Hooks = Callable[[Callable[[], None]], None]  # runs an update between step hooks
+
+
+def _no_hooks(update: Callable[[], None]) -> None:
+    update()
 
 
 def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, int]]]:
@@ -189,19 +195,31 @@ class Stepper:
         return runs
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self, param_groups: list[dict], k: int) -> None:
+    def step(self, param_groups: list[dict], k: int, hooks: Hooks = _no_hooks) -> None:
         """Step ``k`` (collective), in one line: decide, land step k-1's delayed update, the
         device part (its own span, device_step), then the host part where it runs: here or on
         the core-bound worker (``update.SyncUpdate``), or, under delayed update past its
-        warm-up, on the worker into the spare weights (they land at the next collective call)."""
+        warm-up, on the worker into the spare weights (they land at the next collective call).
+
+        ``hooks`` runs the update between the optimizers' step hooks, as ``optimizer.step()``
+        would, except on an fp16 overflow, where torch's ``GradScaler`` skips ``step()``."""
         plan = self.decide(param_groups, k)
         self.delayed.land()  # step k-1's update lands now, before step k+1's forward
         if plan is None:
             self.profile.close(k)
+            if self.last_grad_norm is None:  # no gradient (not an overflow): torch steps too
+                hooks(lambda: None)
             return
-        host_part = self.delayed if self._delays() else self.sync
-        self.device_update.run(plan, host_part.targets(), k)
-        host_part.run(k, plan)
+
+        def update() -> None:
+            # a pre hook may have changed the hyperparameters; torch's step would use them
+            self.rule.check_hparams(param_groups)
+            plan.hparams[:] = [self.rule.hyper(group) for group in param_groups]
+            host_part = self.delayed if self._delays() else self.sync
+            self.device_update.run(plan, host_part.targets(), k)
+            host_part.run(k, plan)
+
+        hooks(update)
 
     def _delays(self) -> bool:
         """Whether this step's host part runs delayed (past the warm-up, said once before)."""
