@@ -4,6 +4,8 @@ checkpoints, and what it refuses."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -13,7 +15,7 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 from lightning_zero_offload import ZeroOffload, ops
 from lightning_zero_offload.core.checkpoint.formats import CheckpointError
 from lightning_zero_offload.core.lion import Hyper, Lion, _reference_, fused_lion_
-from lightning_zero_offload.core.rules import rule_for
+from lightning_zero_offload.core.rules import RULES, rule_for
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
@@ -312,8 +314,78 @@ def test_a_subclass_that_replaces_step_or_the_update_is_refused() -> None:
         ZeroOffload(model, OwnStep(model.parameters()))
     opt = lion_pytorch.Lion(model.parameters())
     opt.update_fn = lambda *a: None
-    with pytest.raises(TypeError, match="replaces Lion's update_fn"):
+    with pytest.raises(TypeError, match="Lion's update_fn is not lion_pytorch's own"):
         ZeroOffload(model, opt)
+
+
+class _Clamped(lion_pytorch.Lion):
+    """A clamp around lion_pytorch's update_fn, functools.wraps keeping its name and module."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        inner = self.update_fn
+
+        @functools.wraps(inner)
+        def update_fn(p, grad, *rest):
+            return inner(p, grad.clamp(-1e-3, 1e-3), *rest)
+
+        self.update_fn = update_fn
+
+
+class _WrappedStep(lion_pytorch.Lion):
+    """A step that wraps Lion's (functools.wraps: it looks like lion_pytorch's)."""
+
+    @functools.wraps(lion_pytorch.Lion.step)
+    def step(self, closure=None):
+        return lion_pytorch.Lion.step(self, closure)
+
+
+class _KeepsAll(lion_pytorch.Lion):
+    """Changes nothing of the update: accepted."""
+
+
+def _stand_in(module: str) -> type[torch.optim.Optimizer]:
+    """A class ``Lion`` in ``module`` that is not lion_pytorch.Lion (as cautious_lion's)."""
+    return type("Lion", (torch.optim.SGD,), {"__module__": module})
+
+
+@pytest.mark.parametrize("case", ["wrapped_update", "wrapped_step"])
+def test_a_subclass_that_wraps_the_update_is_refused_by_module(case: str) -> None:
+    model = make(0)
+    cls, what = {"wrapped_update": (_Clamped, "update_fn is not lion_pytorch's own"),
+                 "wrapped_step": (_WrappedStep, "overrides step")}[case]
+    with pytest.raises(TypeError, match=f"test_lion.{cls.__name__}('s)? {what}.*lion_pytorch.Lion"):
+        ZeroOffload(model, cls(model.parameters()))
+    ZeroOffload(model, _KeepsAll(model.parameters()))
+
+
+def _lion_variants() -> list[type]:
+    variants = [_stand_in("lion_pytorch.cautious_lion"), _stand_in("my_lib.cautious_lion")]
+    try:
+        from lion_pytorch.foreach import Lion as ForeachLion
+    except ImportError:
+        return variants
+    return [ForeachLion, *variants]
+
+
+@pytest.mark.parametrize("cls", _lion_variants(), ids=lambda c: c.__module__)
+def test_another_lion_is_refused_naming_it_and_the_supported_lion(cls: type) -> None:
+    model = make(0)
+    with pytest.raises(TypeError) as e:
+        ZeroOffload(model, cls(model.parameters(), lr=1e-4))
+    message = str(e.value)
+    assert f"got {cls.__module__}.Lion." in message
+    assert "Create the optimizer with lion_pytorch.Lion(" in message
+    assert "AdamW(" not in message  # not advised to a Lion user
+    for rule in RULES:  # every supported optimizer is named
+        assert rule.OPTIMIZERS in message
+
+
+def test_another_optimizer_is_told_every_supported_one() -> None:
+    model = make(0)
+    with pytest.raises(TypeError, match=r"got torch\.optim\.sgd\.SGD\. Create the optimizer "
+                       r"with torch\.optim\.AdamW\(.*\) or lion_pytorch\.Lion\("):
+        ZeroOffload(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def test_bad_hyperparameters_are_refused_before_any_update() -> None:

@@ -55,6 +55,8 @@ class Adam(Rule):
     KEY = "adamw"
     STATE = ("exp_avg", "exp_avg_sq")
     OPTIMIZERS = "torch.optim.AdamW and torch.optim.Adam"
+    FAMILY = "adam"
+    EXAMPLE = "torch.optim.AdamW(model.parameters(), ...)"
     DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
     def __init__(self, decoupled: bool = True) -> None:

@@ -1,5 +1,5 @@
 """The Lion rule: ``lion_pytorch.Lion`` (Chen et al., "Symbolic Discovery of Optimization
-Algorithms", 2023), its subclasses that keep its ``step`` included.
+Algorithms", 2023), its subclasses that keep its ``step`` and ``update_fn`` included.
 
 Lion keeps one moment, ``exp_avg`` (in any ``moment_dtype``: stored as Adam's first moment is),
 and steps every weight by the learning rate times the sign of an interpolation of the moment and
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.core.rule import Rule, check_keeps_step
+from lightning_zero_offload.core.rule import Rule, check_keeps_step, qualified
 from lightning_zero_offload.ops import Moments, rng_key
 
 _GRAD = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,6 +51,8 @@ class Lion(Rule):
     KEY = "lion"
     STATE = ("exp_avg",)
     OPTIMIZERS = "lion_pytorch.Lion"
+    FAMILY = "lion"
+    EXAMPLE = "lion_pytorch.Lion(model.parameters(), ...)"
     DEFAULTS = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0}
 
     def __init__(self, wd_divisor: float = 1.0) -> None:
@@ -66,11 +68,16 @@ class Lion(Rule):
         lion = _lion_class()
         assert lion is not None
         check_keeps_step(optimizer, lion, "lion_pytorch.Lion")
+        # The very function lion_pytorch.Lion sets (or its triton twin, same update): a wrapper
+        # around it carries its name and module (functools.wraps) but would never run.
         update = getattr(optimizer, "update_fn", None)
-        if getattr(update, "__module__", "") not in ("lion_pytorch.lion_pytorch",
-                                                     "lion_pytorch.triton"):
-            raise TypeError(f"ZeroOffload: {type(optimizer).__name__} replaces Lion's update_fn, "
-                            "which the fused CPU step would not run; use lion_pytorch.Lion's")
+        known = [getattr(sys.modules.get(m), "update_fn", None)
+                 for m in ("lion_pytorch.lion_pytorch", "lion_pytorch.triton")]
+        if update is None or not any(update is fn for fn in known):
+            raise TypeError(f"ZeroOffload: {qualified(type(optimizer))}'s update_fn is not "
+                            "lion_pytorch's own (it is replaced or wrapped), and the fused CPU "
+                            "step would not run it; use lion_pytorch.Lion (or a subclass that "
+                            "keeps its step and update_fn)")
         init_lr = float(getattr(optimizer, "_init_lr", 1.0))
         return cls(init_lr if getattr(optimizer, "decoupled_wd", False) else 1.0)
 

@@ -30,19 +30,26 @@ from lightning_zero_offload.ops import Moments, moment_bytes
 
 
 def unwrapped(fn: object) -> object:
-    """``fn`` without the wrappers torch puts around ``Optimizer.step`` (profiling, grad mode)."""
-    while hasattr(fn, "__wrapped__"):
+    """``fn`` without the wrapper torch's ``Optimizer`` puts around a class's ``step`` to run its
+    hooks (marked ``hooked``); any other wrapper, a user's ``functools.wraps`` included, stays:
+    it may change the step."""
+    while getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
         fn = getattr(fn, "__wrapped__")  # noqa: B009
     return fn
 
 
+def qualified(cls: type) -> str:
+    """A class as users import it: ``lion_pytorch.foreach.Lion``, not just ``Lion``."""
+    return f"{cls.__module__}.{cls.__name__}"
+
+
 def check_keeps_step(optimizer: torch.optim.Optimizer, base: type, what: str) -> None:
     """The optimizer's class keeps ``base.step``: the fused step runs the rule's update, so
-    another ``step`` would be silently ignored."""
+    another ``step`` (or a wrapper around it) would be silently ignored."""
     if unwrapped(type(optimizer).step) is not unwrapped(base.step):
         raise TypeError(
-            f"ZeroOffload: {type(optimizer).__name__} overrides step(), which the fused CPU step "
-            f"would not run; use {what} (or a subclass that keeps their step)")
+            f"ZeroOffload: {qualified(type(optimizer))} overrides step(), which the fused CPU "
+            f"step would not run; use {what} (or a subclass that keeps their step)")
 
 
 class Rule(ABC):
@@ -54,6 +61,8 @@ class Rule(ABC):
     KEY: ClassVar[str]  # recorded in checkpoints: "adam", "lion"
     STATE: ClassVar[tuple[str, ...]]  # per-parameter state besides "step", torch's names
     OPTIMIZERS: ClassVar[str]  # what users pass, for messages: "torch.optim.AdamW or Adam"
+    FAMILY: ClassVar[str]  # in the class name of an optimizer of this kind: "adam", "lion"
+    EXAMPLE: ClassVar[str]  # the advice to such a user: "torch.optim.AdamW(model.parameters())"
     DEFAULTS: ClassVar[dict]  # one param group's hyperparameters, as the optimizer's defaults
 
     @classmethod

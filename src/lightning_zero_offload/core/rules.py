@@ -6,7 +6,7 @@ import torch
 
 from lightning_zero_offload.core.adam import Adam
 from lightning_zero_offload.core.lion import Lion
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rule import Rule, qualified
 
 RULES: tuple[type[Rule], ...] = (Adam, Lion)
 
@@ -16,11 +16,15 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     for cls in RULES:
         if cls.accepts(optimizer):
             return cls.for_optimizer(optimizer)
-    supported = " and ".join(r.OPTIMIZERS for r in RULES)
+    kind = type(optimizer)
+    # A Lion user is told which Lion, not to switch to AdamW: the advice follows the kind the
+    # class name says, or lists every rule's.
+    near = [r for r in RULES if r.FAMILY in kind.__name__.lower()] or list(RULES)
     raise TypeError(
-        f"ZeroOffload supports {supported} (or subclasses) only (the fused CPU step implements "
-        f"them); got {type(optimizer).__name__}. Create the optimizer with "
-        "torch.optim.AdamW(model.parameters(), ...)")
+        f"ZeroOffload supports {', '.join(r.OPTIMIZERS for r in RULES)} only, and their "
+        "subclasses that keep their update (the fused CPU step implements exactly those); got "
+        f"{qualified(kind)}. Create the optimizer with "
+        f"{' or '.join(r.EXAMPLE for r in near)}")
 
 
 def rule_named(key: str) -> type[Rule]:
