@@ -239,3 +239,21 @@ def test_fabric_async_checkpoint_equals_a_blocking_save(tmp_path):
         fabric.strategy.teardown()  # waits for the save in flight
         saved[kind] = torch.load(tmp_path / f"{kind}.ckpt", weights_only=True)
     assert equal_nested(saved["async"], saved["blocking"])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_snapshot_kept_for_the_next_save_counts_in_host_bytes(tmp_path, sharded):
+    """The copy an asynchronous save writes from is kept for the next one: ``host_bytes``
+    counts it once it exists, as the bytes of every tensor the checkpoint holds."""
+    from lightning_zero_offload.core.checkpoint.crc import tensors
+
+    engine = tiny_engine(precision="32-true")
+    train(engine, batches(2))
+    before = engine.host_bytes
+    assert "save_snapshot" not in engine.host_budget
+    engine.save_checkpoint(tmp_path / "ck", sharded=sharded, blocking=False).wait()
+    files_ = sorted((tmp_path / "ck").glob("shard-*")) if sharded else [tmp_path / "ck"]
+    saved = sum(t.nbytes for f in files_ for t in tensors(torch.load(f, weights_only=True)))
+    assert engine.host_budget["save_snapshot"] == saved > 0
+    assert engine.host_bytes == before + saved
+    engine.teardown()

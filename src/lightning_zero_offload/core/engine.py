@@ -81,8 +81,8 @@ class ZeroOffload:
 
     @property
     def host_budget(self) -> dict[str, int]:
-        """This rank's host bytes per part (the device part owns and writes it)."""
-        return self._part.host_budget
+        """This rank's host bytes per part (the device part's) and an async save's snapshot."""
+        return {**self._part.host_budget, **self._state.saves.budget()}
 
     @property
     def host_bytes(self) -> int:
@@ -242,7 +242,7 @@ class ZeroOffload:
     def save_file(self, obj: dict, path: str | os.PathLike,
                   blocking: bool = True) -> PendingSave | None:
         """Collective. ``obj`` (with :meth:`consolidated`'s stand-ins) as one checksummed file."""
-        return self._state.save_file(obj, path, blocking or self._closed)
+        return self._state.save_file(obj, path, blocking or self._closed, owner=self)
 
     def load_full_state_dict(self, state: dict) -> None:
         """Collective. The consolidated form (any world size) or plain model/AdamW states."""
@@ -258,7 +258,7 @@ class ZeroOffload:
         None: no room for the copy, saved blocking), published once every rank wrote it."""
         if not self._check_readable():
             self.gather_weights()
-        return self._state.save(path, sharded=sharded, extra=extra,
+        return self._state.save(path, sharded=sharded, extra=extra, owner=self,
                                 blocking=blocking or self._closed)  # torn down: none settles it
 
     def wait_for_save(self) -> None:

@@ -162,10 +162,16 @@ class EngineOwner:
                                   device=device, device_mesh=mesh)
         return optimizer, self.engine
 
-    def remove_checkpoint(self, filepath: object) -> None:
-        """``ModelCheckpoint`` replacing an older file: after the save in flight (collective)."""
+    def wait_for_save(self) -> None:
+        """Collective: the asynchronous save in flight (``async_checkpoint=True``), if any, is
+        published, or raises on every rank. Loads, ``teardown`` and the next save wait for it
+        themselves; a script that ends first has it published at exit."""
         if self.saving_engine is not None:
             self.saving_engine.wait_for_save()
+
+    def remove_checkpoint(self, filepath: object) -> None:
+        """``ModelCheckpoint`` replacing an older file: after the save in flight (collective)."""
+        self.wait_for_save()
         super().remove_checkpoint(filepath)  # type: ignore[misc]
 
     def _stop_engine(self, failure: BaseException | None | EllipsisType = ...) -> None:

@@ -260,6 +260,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
+        self.wait_for_save()  # the save in flight may be the file asked for
         if self._owned(state):
             raise ValueError(
                 "Load the offloaded model and optimizer through a dict: "

@@ -68,7 +68,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             under ``"state_dict"``: ``load_from_checkpoint`` works without this strategy).
         async_checkpoint: a save returns once the state is copied to host memory (where it
             fits; else it blocks, with a warning), a thread writes it; ``AsyncCheckpointIO``: no.
-
+            Loads wait for it; ``strategy.wait_for_save()`` waits explicitly.
         data_parallel_size, tensor_parallel_size: as in Lightning's ``ModelParallelStrategy``: a
             2-D ``DeviceMesh`` ("data_parallel", "tensor_parallel") that ``configure_model`` gets
             as ``self.device_mesh`` to parallelize itself (``parallelize_module``); the engine
@@ -86,9 +86,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     ``zero_offload/fwd_bwd_ms``, ``grad_wait_ms``, ``cpu_step_ms``, ``weight_copy_ms`` (CUDA
     only) and ``stall_ms`` (see ``core.profile.StepProfile``). The profile is the newest step
     whose timings are all in: with delayed update, or while weight copies still run on CUDA, it
-    is an earlier step's.
-    Gradients never stay on the device, so ``param.grad`` is ``None`` in hooks such as
-    ``on_before_optimizer_step``.
+    is an earlier step's. Gradients never stay on the device, so ``param.grad`` is ``None`` in
+    hooks such as ``on_before_optimizer_step``.
     """
 
     strategy_name = "zero_offload"
@@ -367,6 +366,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict:
+        self.wait_for_save()  # the save in flight may be the file asked for
         if ckpt.is_sharded(checkpoint_path):
             return ckpt.load_sharded_meta(checkpoint_path, weights_only)
         load = functools.partial(super().load_checkpoint, checkpoint_path,

@@ -8,9 +8,11 @@ releases the GIL) or while the file is written, and folded into the walk with
 
 from __future__ import annotations
 
+import queue
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -62,11 +64,49 @@ def tensor_bytes(t: Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def crc_started(data: memoryview, pool: ThreadPoolExecutor) -> Callable[[], int]:
+class Threads:
+    """A few threads that take CRCs (``zlib.crc32`` releases the GIL), as a context manager.
+
+    Not ``concurrent.futures``' pool: that one refuses new work once the main thread has ended,
+    and an asynchronous save the script did not wait for is written exactly then (the
+    interpreter waits for its thread before it exits)."""
+
+    def __init__(self, n: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name="zero-offload-crc", daemon=True)
+                         for _ in range(max(1, n))]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            done, data = job
+            try:
+                done.set_result(zlib.crc32(data))
+            except BaseException as e:  # raised where the result is asked for
+                done.set_exception(e)
+
+    def crc(self, data: memoryview) -> Future:
+        """The CRC-32 of ``data``, taken on one of the threads."""
+        done: Future = Future()
+        self._jobs.put((done, data))
+        return done
+
+    def __enter__(self) -> Threads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def crc_started(data: memoryview, pool: Threads) -> Callable[[], int]:
     """Start the CRC-32 of ``data`` on ``pool``'s threads, a chunk each; the returned call
     waits for it."""
     parts = [data[i : i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [data]
-    jobs = [pool.submit(zlib.crc32, part) for part in parts]
+    jobs = [pool.crc(part) for part in parts]
 
     def result() -> int:
         crc = 0
@@ -77,7 +117,7 @@ def crc_started(data: memoryview, pool: ThreadPoolExecutor) -> Callable[[], int]
     return result
 
 
-def bytes_crc(data: memoryview, pool: ThreadPoolExecutor | None = None) -> int:
+def bytes_crc(data: memoryview, pool: Threads | None = None) -> int:
     """CRC-32 of ``data``; with ``pool``, chunks on its threads, combined."""
     return zlib.crc32(data) if pool is None else crc_started(data, pool)()
 
@@ -145,7 +185,7 @@ def checksum(obj: Mapping, threads: int = 2) -> str:
     """The checksum stored under :data:`CHECKSUM_KEY` (computed without that entry); tensors'
     bytes on ``threads`` threads (memory-mapped ones are read from the file as they go)."""
     content = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
-    with ThreadPoolExecutor(max(1, threads)) as pool:
+    with Threads(threads) as pool:
         crcs = {id(t): bytes_crc(tensor_bytes(_host(t)), pool) if t.numel() else 0
                 for t in tensors(content)}
     return format_crc(walk(content, 0, lambda t: crcs[id(t)]))

@@ -250,22 +250,23 @@ class EngineState:
         _, world, group = self.files_rank
         agreement.agree(error, world, group, self.coll())
 
-    def save(self, path: str | os.PathLike, *, sharded: bool,
-             extra: dict[str, dict] | None = None, blocking: bool = True) -> PendingSave | None:
+    def save(self, path: str | os.PathLike, *, sharded: bool, extra: dict[str, dict] | None = None,
+             blocking: bool = True, owner: object = None) -> PendingSave | None:
         """Collective. See ``ZeroOffload.save_checkpoint``: an error on any rank raises on every
-        rank, and a failed save leaves nothing behind; an OS error names ``path``."""
+        rank, a failed save leaves nothing behind, an OS error names ``path``; ``owner`` lives
+        while an asynchronous save is in flight (the engine: its process group)."""
         self.saves.settle()
         path = files.check_name(path)
-        if not blocking:
-            if sharded:
-                shard = {**self.shard(to_write=True), "module_extra": self.weights.untrained()}
-                started = pending.start_dir(self, path, shard, extra or {})
-            else:
-                started = pending.start_file(
-                    self, self.full_later(model=True, optimizer=True), path)
-            if started is not None:
-                return self.saves.hold(started)
         with files.writing(path):
+            if not blocking:
+                if sharded:
+                    shard = {**self.shard(to_write=True), "module_extra": self.weights.untrained()}
+                    started = pending.start_dir(self, path, shard, extra or {})
+                else:
+                    started = pending.start_file(
+                        self, self.full_later(model=True, optimizer=True), path)
+                if started is not None:
+                    return self.saves.hold(started, owner)
             self._save(path, sharded, extra)
         return None
 
@@ -292,17 +293,16 @@ class EngineState:
             if on_zero:
                 files.discard(tmp)  # left only if the save failed: nothing of it is kept
 
-    def save_file(self, obj: dict, path: str | os.PathLike,
-                  blocking: bool = True) -> PendingSave | None:
+    def save_file(self, obj: dict, path: str | os.PathLike, blocking: bool = True,
+                  owner: object = None) -> PendingSave | None:
         """Collective. ``obj`` (its stand-ins from :meth:`full_later` made as they are written)
         as one checksummed file that rank 0 writes; an error on any rank raises on every rank."""
         self.saves.settle()
-        path = files.check_name(path)
-        if not blocking:
-            started = pending.start_file(self, obj, path)
-            if started is not None:
-                return self.saves.hold(started)
-        with files.writing(path):
+        with files.writing(path := files.check_name(path)):
+            if not blocking:
+                started = pending.start_file(self, obj, path)
+                if started is not None:
+                    return self.saves.hold(started, owner)
             self._write_file(obj, path)
         return None
 

@@ -167,21 +167,22 @@ def writing(path: Path) -> Iterator[None]:
         raise (OSError(e.errno, message) if e.errno is not None else OSError(message)) from e
 
 
-def atomic_save(obj: Mapping, path: str | os.PathLike) -> None:
+def atomic_save(obj: Mapping, path: str | os.PathLike, *, parents: bool = True) -> None:
     """``obj`` plus its checksum in ``torch.save``'s format (``stream.write``: a tensor at a
     time, ``stream.Later`` stand-ins made as they are written) to a per-process temporary name
-    in the same folder (created with its parents if missing, as a sharded save's is), fsync,
-    then renamed over ``path``: a crash leaves the old file or the new one."""
+    in the same folder (``parents``: created with its parents if missing), fsync, then renamed
+    over ``path``: a crash leaves the old file or the new one."""
     path = check_name(path)
-    publish_file(write_temp(obj, path), path)
+    publish_file(write_temp(obj, path, parents=parents), path)
 
 
-def write_temp(obj: Mapping, path: Path) -> Path:
+def write_temp(obj: Mapping, path: Path, *, parents: bool = True) -> Path:
     """``obj`` written beside ``path`` under a temporary name (removed if the write fails)."""
     check_file_target(path)
     tmp = temp_path(path, "tmp", new_token())
     with writing(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
         try:
             stream.write(obj, tmp)
         except BaseException:

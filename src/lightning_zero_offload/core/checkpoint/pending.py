@@ -5,11 +5,16 @@ The copy is checked first against the host's available memory; where it does not
 warning names the bytes short and the save is blocking. A save in flight is settled (published,
 or its failure raised on every rank, naming the file, the previous checkpoint intact) by
 :meth:`PendingSave.wait` or by the engine's next ``step`` once every rank's write has ended; with
-one rank the thread publishes it itself. A second save, a load and ``teardown`` wait for it.
+one rank the thread publishes it itself. A second save, a load and ``teardown`` wait for it. A
+save still unsettled when the interpreter exits is written (the interpreter waits for its
+thread) and settled at exit: published where every rank can still agree, else one warning
+naming the path and why, nothing of it left; the process exits with the script's own status.
 """
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
+import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core.checkpoint import agreement, files, stream
@@ -29,6 +35,7 @@ if TYPE_CHECKING:
 
 
 _WHAT = "agreement on an asynchronous save"
+_UNSETTLED: dict[PendingSave, None] = {}  # in start order: what the exit settles
 
 
 class PendingSave:
@@ -40,6 +47,12 @@ class PendingSave:
         self._write, self._publish, self._discard = write, publish, discard
         self._error: BaseException | None = None
         self._settled = False
+        self.owner: object = None  # kept alive until settled (the engine: its process group)
+        # registered anew: exit hooks run last-registered first, so this one runs before any
+        # registered since (one that destroys the process groups)
+        atexit.unregister(_settle_at_exit)
+        atexit.register(_settle_at_exit)
+        _UNSETTLED[self] = None
         # not a daemon: an interpreter that exits first waits for the write (and, alone, publish)
         self._thread = threading.Thread(target=self._run, name="zero-offload-save")
         self._thread.start()
@@ -79,12 +92,40 @@ class PendingSave:
         if not self._settled and self._state.files_rank[0] == 0 and (
                 self._state.files_rank[1] > 1 or self._error is not None):
             self._discard()
-        self._settled = True
+        self._ended()
+
+    def _ended(self) -> None:
+        self._settled, self.owner = True, None
+        _UNSETTLED.pop(self, None)
+
+    def settle_at_exit(self) -> None:
+        """The interpreter exits with this save unsettled: published where every rank can
+        still agree, else one warning naming the path and why, nothing of it left. Never
+        raises (the process exits with the script's own status)."""
+        world = self._state.files_rank[1]
+        why = None
+        if world > 1 and getattr(sys, "last_value", None) is not None:
+            why = "the script ended with an uncaught error, so the ranks cannot agree on it"
+        elif world > 1 and not dist.is_initialized():
+            why = "the process group was destroyed before the ranks agreed on it"
+        if why is None:
+            try:
+                self.wait()
+                return
+            except BaseException as e:
+                why = f"{type(e).__name__}: {e}"
+        else:
+            self.abandon()
+        warnings.warn(
+            f"the asynchronous save of {str(self.path)!r} was not published at exit ({why}); "
+            "the previous checkpoint is intact. Wait for a save before the script ends or "
+            "destroys its process group: engine.wait_for_save() (Lightning and Fabric: "
+            "strategy.wait_for_save())", RuntimeWarning, stacklevel=1)
 
     def _settle(self) -> None:
         if self._settled:
             return
-        self._settled = True
+        self._ended()
         rank, world, group = self._state.files_rank
         try:
             if world == 1:
@@ -115,8 +156,12 @@ class InFlight:
     def held(self) -> int:
         return sum(t.nbytes for t in self.staging)
 
-    def hold(self, save: PendingSave) -> PendingSave:
-        self.save = save
+    def budget(self) -> dict[str, int]:
+        """The kept snapshot as a host budget entry (``save_snapshot``), once one exists."""
+        return {"save_snapshot": self.held} if self.staging else {}
+
+    def hold(self, save: PendingSave, owner: object = None) -> PendingSave:
+        self.save, save.owner = save, owner
         return save
 
     def settle(self) -> None:
@@ -144,6 +189,11 @@ class InFlight:
         """Collective (``teardown``): the save in flight ends; the snapshot's memory goes."""
         self.settle()
         self.staging = []
+
+
+def _settle_at_exit() -> None:
+    for save in list(_UNSETTLED):
+        save.settle_at_exit()
 
 
 def _nbytes(obj: Any) -> int:
@@ -201,13 +251,15 @@ def start_dir(state: EngineState, path: Path, shard: dict,
     snapshot = _copied(state, shard)
     extras = stream.materialize(extra, clone_tensors=True) if on_zero else {}
 
-    def write() -> None:
-        files.atomic_save(snapshot, tmp / files.shard_name(rank, world))
-        for name, obj in extras.items():
-            files.atomic_save(obj, tmp / name)
+    def write() -> None:  # into rank 0's folder: never made again once it was discarded
+        with files.writing(path):
+            files.atomic_save(snapshot, tmp / files.shard_name(rank, world), parents=False)
+            for name, obj in extras.items():
+                files.atomic_save(obj, tmp / name, parents=False)
 
     def publish() -> None:
         if on_zero:
-            files.publish_dir(tmp, path, world, token)
+            with files.writing(path):
+                files.publish_dir(tmp, path, world, token)
 
     return PendingSave(state, path, write, publish, lambda: files.discard(tmp))

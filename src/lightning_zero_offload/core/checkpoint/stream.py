@@ -12,6 +12,7 @@ walk's order, so every byte is read once. ``data.pkl`` goes last: it holds the c
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
@@ -19,7 +20,6 @@ import pickle
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,7 @@ def write(obj: Mapping, path: Path) -> None:
     fsynced: the stand-ins first, made in order, then ``obj``'s tensors, each written as its
     own contiguous bytes (on the host; the file keeps their device for ``torch.load``). If a
     write fails, the remaining stand-ins are still made (peers gather with this rank), then the
-    error is raised."""
+    error is raised; the archive writer is always finished here, never left to its destructor."""
     content = {k: v for k, v in obj.items() if k != crc.CHECKSUM_KEY}
     items: list[Any] = laters(content)
     items += crc.tensors(content)
@@ -174,27 +174,81 @@ def write(obj: Mapping, path: Path) -> None:
     places = {id(x): "cpu" if isinstance(x, Later) else
               torch.serialization.location_tag(x.untyped_storage()) for x in items}
     crcs: dict[int, int] = {}
-    with open(path, "wb") as f, ThreadPoolExecutor(_CRC_THREADS) as pool:
+    with open(path, "wb") as raw, crc.Threads(_CRC_THREADS) as pool:
+        f = _Sink(raw)
         # torch's own zip CRC would read every byte once more: ours is the file's check
-        zf = torch._C.PyTorchFileWriter(f, False, 64)
-        for i, x in enumerate(items):
-            try:
-                crcs[id(x)] = _record(zf, f, f"data/{keys[id(x)]}", x, pool)
-            except OSError:
-                make_all(items[i + 1 :])
-                raise
-        checksum = crc.format_crc(crc.walk(content, 0, lambda t: crcs[id(t)]))
-        pickled = _pickle({**content, crc.CHECKSUM_KEY: checksum}, keys, places)
-        zf.write_record("data.pkl", pickled, len(pickled))
-        for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
-                            ("byteorder", sys.byteorder.encode())):  # as torch.save writes
-            zf.write_record(name, value, len(value))
-        zf.write_end_of_file()
-        f.flush()
-        os.fsync(f.fileno())
+        zf = torch._C.PyTorchFileWriter(f, False, 64)  # type: ignore[call-overload]
+        try:
+            for i, x in enumerate(items):
+                try:
+                    crcs[id(x)] = _record(zf, f, f"data/{keys[id(x)]}", x, pool)
+                    f.check()
+                except OSError:
+                    make_all(items[i + 1 :])
+                    raise
+            checksum = crc.format_crc(crc.walk(content, 0, lambda t: crcs[id(t)]))
+            pickled = _pickle({**content, crc.CHECKSUM_KEY: checksum}, keys, places)
+            zf.write_record("data.pkl", pickled, len(pickled))
+            for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                                ("byteorder", sys.byteorder.encode())):  # as torch.save writes
+                zf.write_record(name, value, len(value))
+            zf.write_end_of_file()
+            f.check()
+            raw.flush()
+            os.fsync(raw.fileno())
+        except BaseException:
+            # Finished now into nothing: left to its destructor, the writer would finish the
+            # archive on a failed (or closed) file, and an error there aborts the process.
+            f.failed()
+            with contextlib.suppress(Exception):
+                zf.write_end_of_file()
+            raise
+        finally:
+            del zf
 
 
-def _record(zf: Any, f: Any, name: str, x: Tensor | Later, pool: ThreadPoolExecutor) -> int:
+class _Sink:
+    """The file as torch's archive writer sees it. An OS error is kept here, not raised into
+    the writer (raised through it, it leaves the writer's idea of the position behind the
+    file's, and the writer cannot finish); from then on bytes are counted, not written, and
+    :meth:`check` raises the error."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self._pos, self.error = f, 0, None
+        self._dropping = False
+
+    def failed(self) -> None:
+        """Drop whatever is written from now on."""
+        self._dropping = True
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _do(self, op: Callable[[], object]) -> None:
+        if self._dropping:
+            return
+        try:
+            op()
+        except OSError as e:
+            self.error, self._dropping = e, True
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        self._do(lambda: self._f.write(data))
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._do(lambda: self._f.seek(offset, whence))
+        self._pos = offset if whence == os.SEEK_SET else self._pos + offset  # no SEEK_END here
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _record(zf: Any, f: _Sink, name: str, x: Tensor | Later, pool: crc.Threads) -> int:
     """Write ``x`` as record ``name``; its bytes' CRC-32 (taken on ``pool`` meanwhile)."""
     out = x.make() if isinstance(x, Later) else x
     if isinstance(out, Tensor):
