@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import lightning_zero_offload as zo
+from lightning_zero_offload import profile_report
 from lightning_zero_offload.core.profile import FIELDS, StepProfile
 from lightning_zero_offload.profile_report import draw, format_summary, main
 
@@ -36,7 +37,7 @@ def recorded(tmp_path_factory) -> Path:
         engine.zero_grad()
     engine.synchronize()
     path = tmp_path_factory.mktemp("profile") / "run.json"
-    engine._profile.dump(str(path))
+    assert profile_report.save(engine.profile, path) == path  # the documented way
     engine.teardown()
     return path
 

@@ -1,10 +1,11 @@
 """Read a recorded offload profile: a short text summary, and a timeline plot.
 
-``engine.profile`` (or the JSON ``ProfileRecorder.dump`` writes, ``{"records": [...]}``) holds
-per-step seconds for ``fwd_bwd``, ``grad_wait``, ``cpu_step``, ``weight_copy`` and ``stall``
-(see :class:`~lightning_zero_offload.core.profile.StepProfile`) plus the spans for timelines::
+``engine.profile`` (or the JSON :func:`save` writes, ``{"records": [...]}``) holds per-step
+seconds for ``fwd_bwd``, ``grad_wait``, ``cpu_step``, ``weight_copy`` and ``stall`` (see
+:class:`~lightning_zero_offload.core.profile.StepProfile`) plus the spans for timelines::
 
     print(format_summary(engine.profile))
+    save(engine.profile, "run.json")  # Lightning: trainer.strategy.engine.profile (during fit)
     python -m lightning_zero_offload.profile_report summary run.json
     python -m lightning_zero_offload.profile_report plot run.json [delayed.json ...] -o timeline.png
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from lightning_zero_offload.core.profile import FIELDS
 
-__all__ = ["format_summary", "load", "draw", "main"]
+__all__ = ["format_summary", "save", "load", "draw", "main"]
 
 _LABELS = {"fwd_bwd": "forward+backward", "grad_wait": "gradient wait", "cpu_step": "CPU step",
            "device_step": "device step (partial offload)", "weight_copy": "weight copy",
@@ -71,6 +72,14 @@ def format_summary(records: Iterable[Any]) -> str:
                   f"{100 * max(0.0, 1 - med['stall'] / med['cpu_step']):.0f}%")
     lines.append(f"  main-thread step time {1e3 * main:.2f} ms{hidden}")
     return "\n".join(lines)
+
+
+def save(records: Iterable[Any], path: str | Path) -> Path:
+    """``records`` (``engine.profile``: ``StepProfile`` objects, or their dicts) as the JSON
+    file that :func:`load`, ``summary`` and ``plot`` read; returns its path."""
+    path = Path(path)
+    path.write_text(json.dumps({"records": [_as_dict(r) for r in records]}))
+    return path
 
 
 def load(path: str | Path, steps: int | None = None) -> list[dict]:
