@@ -5,6 +5,7 @@ checkpoints, and what it refuses."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -115,6 +116,48 @@ def test_every_simd_path_and_the_reference_give_the_same_bits(md, grad_dtype, ou
             got = run(kernel)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(bits(a), bits(b)), isa
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_gradient_stays_in_its_element_at_int8(bad: float) -> None:
+    """As lion_pytorch and the fp32 moment: one non-finite gradient element makes only its own
+    moment (and weight, where lion_pytorch's would be) non-finite, on every SIMD path and the
+    reference, the same bits; the rest of its block is the run with that gradient zeroed."""
+    n, at = 3 * ops.BLOCK, ops.BLOCK + 7
+    g = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    zeroed = g.clone()
+    zeroed[at] = 0.0
+    g[at] = bad
+    hp = _hp()
+
+    def run(grad: torch.Tensor, md: str, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        p, state = torch.linspace(-1, 1, n), Lion.zeros(n, md)
+        for step in (1, 2):  # the second step reads the stored non-finite moment back
+            if isa is None:
+                _reference_(p, grad if step == 1 else zeroed, state, hp, grad_scale=1.0,
+                            out=None, key=ops.rng_key(0, step) if md != "fp32" else 0)
+            else:
+                with ops.force_isa(isa):
+                    fused_lion_(p, grad if step == 1 else zeroed, state, hp, step=step)
+        return p, state.to_fp32()[0]
+
+    p32, m32 = run(g, "fp32", None)
+    ref = run(g, "int8", None)
+    ref0 = run(zeroed, "int8", None)
+    others = torch.arange(n) != at
+    for isa in [None, *ops.available_isas()]:
+        p, m = run(g, "int8", isa)
+        assert torch.equal(bits(p), bits(ref[0])) and torch.equal(bits(m), bits(ref[1])), isa
+        for got, want in ((p, p32), (m, m32)):  # non-finite exactly where fp32's is
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), isa
+            assert torch.equal(torch.isposinf(got), torch.isposinf(want)), isa
+            assert torch.equal(torch.isneginf(got), torch.isneginf(want)), isa
+        assert (~torch.isfinite(m)).nonzero().flatten().tolist() == [at]
+        # one step in, the other weights are the zeroed run's; their moments as close as the
+        # code keeps them (a step of E4M3 relative, the subnormal step of the block's top)
+        torch.testing.assert_close(p[others], ref0[0][others], rtol=0, atol=2.5 * hp.lr)
+        top = float(m32[others].abs().max())
+        torch.testing.assert_close(m[others], m32[others], rtol=2**-3, atol=top * 2**-16)
 
 
 def test_device_rule_equals_the_kernel() -> None:

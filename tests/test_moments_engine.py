@@ -320,3 +320,45 @@ def test_moment_seed_changes_only_the_rounding() -> None:
     assert torch.equal(_flat(a.module), _flat(b.module))  # repeatable
     pa, pc = _flat(a.module), _flat(c.module)
     assert not torch.equal(pa, pc) and rel_err(pc, pa) < 1e-2
+
+
+# --- a non-finite gradient element (issue 44 item 8) ---------------------------------------
+
+
+def _poisoned_run(optim: type, md: str, bad: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One step of the tiny GPT whose largest weight gets ``bad`` as one gradient element (no
+    clipping: a NaN norm would reach every weight); the weights and each state array, flat."""
+    engine = tiny_engine(0, optim=optim, lr=3e-3, precision="32-true", moment_dtype=md)
+    big = max(engine.module.parameters(), key=lambda p: p.numel())
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1)[300] = bad  # inside the second 256-element block
+        return g
+
+    big.register_hook(poison)
+    train(engine, batches(1), gather=True)
+    state = engine.full_state_dict()["optimizer"]["state"]
+    names = sorted(next(iter(state.values())).keys() - {"step"})
+    arrays = [torch.cat([state[i][k].reshape(-1) for i in sorted(state)]) for k in names]
+    return _flat(engine.module), arrays
+
+
+def _lion() -> type:
+    return pytest.importorskip("lion_pytorch").Lion
+
+
+@pytest.mark.parametrize("optim", ["adamw", "lion"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_gradient_stays_in_its_element_in_the_engine(optim: str, bad: float) -> None:
+    """int8 moments make exactly the weights and moments non-finite that fp32 moments (torch's
+    AdamW, lion_pytorch) make: one element, not its block of 256."""
+    cls = torch.optim.AdamW if optim == "adamw" else _lion()
+    p32, s32 = _poisoned_run(cls, "fp32", bad)
+    p8, s8 = _poisoned_run(cls, "int8", bad)
+    assert 1 <= sum(int((~torch.isfinite(x)).sum()) for x in [p32, *s32]) <= 3
+    for got, want in zip([p8, *s8], [p32, *s32], strict=True):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        ok = torch.isfinite(want)
+        assert rel_err(got[ok], want[ok]) < 0.1

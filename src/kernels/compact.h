@@ -25,9 +25,18 @@
 //                     magnitudes from 2^-17 to 1.875 of the scale: 16 binades, 3 mantissa bits.
 //   exp_avg_sq (v):   stored as sqrt(v) in unsigned E4M4: 2^-18..1.9375 of the scale, so the
 //                     square-root domain keeps 32 binades of v with 4 mantissa bits.
-//   scale per block:  absmax / maxcode_value (fp32); NaN if the block holds a non-finite value
-//                     (the whole block then reads back NaN: loud, never silently finite); 0 when
-//                     the absmax is 0 or below 2^-126 (the block reads back 0).
+//   scale per block:  absmax / maxcode_value (fp32); 0 when the absmax is 0 or below 2^-126
+//                     (the block reads back 0).
+//   marked blocks:    a block holding a non-finite value keeps it in its element, as fp32 would
+//                     (torch's AdamW and lion_pytorch make only that element's moments and
+//                     weight non-finite): its scale is its finite values' absmax over a smaller top code
+//                     (exp_avg 1.75, code 0x7e; sqrt(v) 1.8125, code 0xfd), stored with the sign
+//                     bit set (scales are otherwise +0 or positive, so earlier checkpoints read
+//                     as before), and the codes above it are the non-finite values: exp_avg
+//                     0x7f +inf, 0xff -inf, 0x80 NaN (-0's code: there a -0 is stored as +0);
+//                     sqrt(v) 0xff +inf, 0xfe NaN. These rare blocks run the width-1 code
+//                     (marked_*), the same on every ISA. Before, such a block read back NaN
+//                     whole (a stored NaN scale still does).
 // Blocks are kBlock (256) consecutive elements counted from element 0 of the call, so a call
 // must start on a block boundary of the whole buffer (checked in Python).
 
@@ -228,6 +237,71 @@ inline void block_scale(uint32_t maxbits, float maxcode, float& scale, float& in
   }
 }
 
+// Marked blocks (see the top): the rare path, width-1 code only.
+constexpr float kMaxMx = 1.75f;    // a marked block's largest finite E4M3 magnitude (0x7e)
+constexpr float kMaxSx = 1.8125f;  // a marked block's largest finite E4M4 value (0xfd)
+constexpr uint32_t kNanM = 0x80u, kInfM = 0x7fu, kNanS = 0xfeu, kInfS = 0xffu;
+
+LZO_TARGET inline bool marked(float scale) { return (f32_bits(scale) >> 31) != 0; }
+
+// One exp_avg code (as stored: the byte) read with its block's scale, marked or not.
+LZO_TARGET inline float marked_dec_m(uint8_t code, float scale) {
+  const float sc = bits_f32(f32_bits(scale) & 0x7fffffffu);
+  if (marked(scale)) {
+    if (code == kNanM) return bits_f32(0x7fc00000u);
+    if ((code & 0x7fu) == kInfM) return bits_f32((code & 0x80u) ? 0xff800000u : 0x7f800000u);
+  }
+  return dec_m<S1>(S1::load_s8(&code), sc);
+}
+
+// sqrt(v) of one exp_avg_sq code, marked or not.
+LZO_TARGET inline float marked_dec_s(uint8_t code, float scale) {
+  const float sc = bits_f32(f32_bits(scale) & 0x7fffffffu);
+  if (marked(scale)) {
+    if (code == kNanS) return bits_f32(0x7fc00000u);
+    if (code == kInfS) return bits_f32(0x7f800000u);
+  }
+  return S1::mul(dec_mag<S1, 4>(code), sc);
+}
+
+// Scale, inverse and mark of a block of n values (|x| for exp_avg, sqrt(v) >= +0 or NaN) whose
+// max bits are maxbits: a block with a non-finite value is scaled over its finite ones.
+LZO_TARGET inline bool scale_of(const float* x, int64_t n, uint32_t maxbits, float maxcode,
+                                float maxcode_marked, float& scale, float& inv) {
+  if (maxbits < 0x7f800000u) {
+    block_scale(maxbits, maxcode, scale, inv);
+    return false;
+  }
+  uint32_t mx = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t b = f32_bits(x[j]) & 0x7fffffffu;
+    if (b < 0x7f800000u) mx = std::max(mx, b);
+  }
+  block_scale(mx, maxcode_marked, scale, inv);
+  scale = bits_f32(f32_bits(scale) | 0x80000000u);
+  return true;
+}
+
+// The exp_avg code of x in a marked block (xm) or not.
+LZO_TARGET inline uint8_t marked_enc_m(float x, float inv, uint32_t r16, bool xm) {
+  const uint32_t c = enc_m<S1>(x, inv, r16);
+  if (!xm) return static_cast<uint8_t>(c);
+  const uint32_t sign = f32_bits(x) >> 24 & 0x80u;
+  if (x != x) return kNanM;
+  if ((f32_bits(x) & 0x7fffffffu) == 0x7f800000u) return static_cast<uint8_t>(kInfM | sign);
+  const uint32_t mag = std::min(c & 0x7fu, kInfM - 1u);
+  return static_cast<uint8_t>(mag ? (mag | (c & 0x80u)) : 0u);
+}
+
+// The exp_avg_sq code of sqrt(v) = s in a marked block (xv) or not.
+LZO_TARGET inline uint8_t marked_enc_s(float s, float inv, uint32_t r16, bool xv) {
+  const uint32_t c = enc_mag<S1, 4>(S1::mul(s, inv), r16);
+  if (!xv) return static_cast<uint8_t>(c);
+  if (s != s) return kNanS;
+  if (f32_bits(s) == 0x7f800000u) return kInfS;
+  return static_cast<uint8_t>(std::min(c, kNanS - 1u));
+}
+
 // Everything one loop reads from AdamArgs, in locals the stores cannot alias. `g` and `out` are
 // not __restrict: `out` may be `grad` itself (the weights written in place over the gradient), and
 // a restrict pair would let the compiler reload a gradient after the store of its weight.
@@ -340,6 +414,49 @@ LZO_TARGET void q8_store(const Ptrs& ap, int64_t bs, int64_t be, int64_t& ir, fl
   ir = i;
 }
 
+// The codes of a block with a non-finite value (mmax or smax >= 0x7f800000) in width-1 code;
+// a moment whose block holds none is coded as q8_store does.
+LZO_TARGET inline void q8_store_marked(const Ptrs& a, int64_t bs, int64_t be, int64_t blk,
+                                       const float* mb, const float* sb, uint32_t mmax,
+                                       uint32_t smax) {
+  float im, iv;
+  const bool xm = scale_of(mb, be - bs, mmax, kMaxM, kMaxMx, a.ms[blk], im);
+  const bool xv = scale_of(sb, be - bs, smax, kMaxS, kMaxSx, a.vs[blk], iv);
+  uint8_t* m8 = static_cast<uint8_t*>(a.mc);
+  uint8_t* v8 = static_cast<uint8_t*>(a.vc);
+  for (int64_t i = bs; i < be; ++i) {
+    uint32_t lo, hi;
+    hash_v<S1>(counter_v<S1>(a.key, a.offset, i), lo, hi);
+    m8[i] = marked_enc_m(mb[i - bs], im, lo, xm);
+    v8[i] = marked_enc_s(sb[i - bs], iv, hi, xv);
+  }
+}
+
+// One marked block (read or written): q8_update and q8_store in width-1 code, each moment's
+// codes read and written with its own scale, marked or not.
+template <Dtype G, Dtype O, int Md>
+LZO_TARGET void q8_marked(const Ptrs& a, const VConsts<S1>& k, int64_t bs, int64_t be,
+                          int64_t blk, float* __restrict mb, float* __restrict sb) {
+  uint8_t* m8 = static_cast<uint8_t*>(a.mc);
+  uint8_t* v8 = static_cast<uint8_t*>(a.vc);
+  const float sm = a.ms[blk], sv = a.vs[blk];
+  uint32_t mmax = 0, smax = 0;
+  for (int64_t i = bs; i < be; ++i) {
+    float p = a.p[i];
+    float m = marked_dec_m(m8[i], sm);
+    const float s = marked_dec_s(v8[i], sv);
+    float v = S1::mul(s, s);
+    const float sq = adam_v<S1, Md>(k, S1::grad<G>(a.g, i), p, m, v);
+    a.p[i] = p;
+    if constexpr (O != kNone) S1::out<O>(a.out, i, p);
+    mb[i - bs] = m;
+    sb[i - bs] = sq;
+    mmax = std::max(mmax, f32_bits(m) & 0x7fffffffu);
+    smax = std::max(smax, f32_bits(sq));
+  }
+  q8_store_marked(a, bs, be, blk, mb, sb, mmax, smax);
+}
+
 template <class V, Dtype G, Dtype O, int Md>
 LZO_TARGET void run_q8(const Ptrs& a, const AdamConsts& c, int64_t begin, int64_t end) {
   const VConsts<V> k(c);
@@ -349,11 +466,19 @@ LZO_TARGET void run_q8(const Ptrs& a, const AdamConsts& c, int64_t begin, int64_
   for (int64_t bs = begin; bs < end; bs += kBlock) {  // begin is a block boundary
     const int64_t be = std::min(end, bs + kBlock);
     const int64_t blk = bs / kBlock;
+    if (marked(a.ms[blk]) || marked(a.vs[blk])) {  // a non-finite value read back
+      q8_marked<G, O, Md>(a, k1, bs, be, blk, mb, sb);
+      continue;
+    }
     uint32_t mmax = 0, smax = 0;
     int64_t i = bs;
     q8_update<V, G, O, Md>(a, k, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
     if constexpr (V::W > 1) {
       q8_update<S1, G, O, Md>(a, k1, bs, be, i, a.ms[blk], a.vs[blk], mb, sb, mmax, smax);
+    }
+    if (mmax >= 0x7f800000u || smax >= 0x7f800000u) {  // a non-finite value written
+      q8_store_marked(a, bs, be, blk, mb, sb, mmax, smax);
+      continue;
     }
     float im, iv;
     block_scale(mmax, kMaxM, a.ms[blk], im);

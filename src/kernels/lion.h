@@ -128,6 +128,37 @@ LZO_TARGET void lion_q8_store(const LionArgs& a, int64_t bs, int64_t be, int64_t
   ir = i;
 }
 
+// A block with a non-finite moment, read (its scale marked) or written (mmax >= 0x7f800000):
+// width-1 code, the marked codes of compact.h.
+LZO_TARGET inline void lion_q8_store_marked(const LionArgs& a, int64_t bs, int64_t be,
+                                            int64_t blk, const float* mb, uint32_t mmax) {
+  float inv;
+  const bool xm = scale_of(mb, be - bs, mmax, kMaxM, kMaxMx, a.m_scale[blk], inv);
+  uint8_t* m8 = static_cast<uint8_t*>(a.m);
+  for (int64_t i = bs; i < be; ++i) {
+    uint32_t lo, hi;
+    hash_v<S1>(counter_v<S1>(a.key, a.offset, i), lo, hi);
+    m8[i] = marked_enc_m(mb[i - bs], inv, lo, xm);
+  }
+}
+
+template <Dtype G, Dtype O>
+LZO_TARGET void lion_q8_marked(const LionArgs& a, const LionV<S1>& k, int64_t bs, int64_t be,
+                               int64_t blk, float* __restrict mb) {
+  const uint8_t* m8 = static_cast<const uint8_t*>(a.m);
+  const float scale = a.m_scale[blk];
+  uint32_t mmax = 0;
+  for (int64_t i = bs; i < be; ++i) {
+    float p = a.param[i];
+    const float m = lion_v<S1>(k, S1::grad<G>(a.grad, i), p, marked_dec_m(m8[i], scale));
+    a.param[i] = p;
+    lion_out<S1, O>(a.out, i, p);
+    mb[i - bs] = m;
+    mmax = std::max(mmax, f32_bits(m) & 0x7fffffffu);
+  }
+  lion_q8_store_marked(a, bs, be, blk, mb, mmax);
+}
+
 template <class V, Dtype G, Dtype O>
 LZO_TARGET void lion_q8(const LionArgs& a, int64_t begin, int64_t end) {
   const LionV<V> k(a.c);
@@ -136,10 +167,18 @@ LZO_TARGET void lion_q8(const LionArgs& a, int64_t begin, int64_t end) {
   for (int64_t bs = begin; bs < end; bs += kBlock) {  // begin is a block boundary
     const int64_t be = std::min(end, bs + kBlock);
     const int64_t blk = bs / kBlock;
+    if (marked(a.m_scale[blk])) {
+      lion_q8_marked<G, O>(a, k1, bs, be, blk, mb);
+      continue;
+    }
     uint32_t mmax = 0;
     int64_t i = bs;
     lion_q8_update<V, G, O>(a, k, bs, be, i, a.m_scale[blk], mb, mmax);
     if constexpr (V::W > 1) lion_q8_update<S1, G, O>(a, k1, bs, be, i, a.m_scale[blk], mb, mmax);
+    if (mmax >= 0x7f800000u) {
+      lion_q8_store_marked(a, bs, be, blk, mb, mmax);
+      continue;
+    }
     float inv;
     block_scale(mmax, kMaxM, a.m_scale[blk], inv);
     i = bs;

@@ -13,6 +13,13 @@ BLOCK = 256
 _MASK = 0xFFFFFFFF
 _MAX_M = 1.875  # largest E4M3 magnitude
 _MAX_S = 1.9375  # largest E4M4 value
+# A block holding a non-finite value is "marked": its scale's sign bit is set (scales are
+# otherwise +0 or positive, so a stored scale of any earlier block reads as before), it is scaled
+# over its finite values to a smaller top code, and the codes above that (and exp_avg's -0) keep
+# each non-finite value in its own element.
+_MAX_M_X, _MAX_S_X = 1.75, 1.8125  # a marked block's largest finite code: 0x7e, 0xfd
+_NAN_M, _INF_M = 0x80, 0x7F  # exp_avg: NaN (-0's code); +-inf (the top magnitude, signed)
+_NAN_S, _INF_S = 0xFE, 0xFF  # sqrt(exp_avg_sq): NaN, +inf
 SIGNED, SQRT = "signed", "sqrt"  # a first moment's code, a second moment's (of its sqrt)
 
 
@@ -109,21 +116,25 @@ def _enc_m(m: torch.Tensor, inv: torch.Tensor, r16: torch.Tensor) -> torch.Tenso
     return _enc_mag(mag, r16, 3) | ((bits & 0x80000000) >> 24)
 
 
-def _block_scales(x: torch.Tensor, maxcode: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block (scale, inverse) from the max of |x|'s bits, as the kernel computes them."""
+def _block_scales(x: torch.Tensor, maxcode: float, maxcode_marked: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-block (scale, inverse, marked) from the max of the finite |x|'s bits, as the kernel
+    computes them; a marked block's scale has its sign bit set (-0.0 for a zero one)."""
     n = x.numel()
+    bits = _bits(x) & 0x7FFFFFFF
+    bad = torch.zeros(num_blocks(n) * BLOCK, dtype=torch.bool)
+    bad[:n] = bits >= 0x7F800000
     padded = torch.zeros(num_blocks(n) * BLOCK, dtype=torch.int64)
-    padded[:n] = _bits(x) & 0x7FFFFFFF
+    padded[:n] = torch.where(bad[:n], 0, bits)
     maxbits = padded.view(-1, BLOCK).amax(dim=1) if n else padded[:0]
+    marked = bad.view(-1, BLOCK).any(dim=1) if n else bad[:0]
     absmax = _float(maxbits)
-    mc = torch.full_like(absmax, maxcode)
-    bad = maxbits >= 0x7F800000
+    mc = torch.where(marked, maxcode_marked, maxcode).float()
     tiny = maxbits < 0x00800000
     zero = torch.zeros_like(absmax)
-    scale = torch.where(bad, torch.full_like(absmax, float("nan")),
-                        torch.where(tiny, zero, absmax / mc))
-    inv = torch.where(bad | tiny, zero, mc / absmax)
-    return scale, inv
+    scale = torch.where(tiny, zero, absmax / mc)
+    inv = torch.where(tiny, zero, mc / absmax)
+    return torch.where(marked, -scale, scale), inv, marked
 
 
 def _expand(per_block: torch.Tensor, n: int) -> torch.Tensor:
@@ -145,18 +156,48 @@ def encode_bf16(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, codec: str, r16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 -> (uint8 codes, per-block scales) in ``codec``, rounding bits ``r16``."""
+    """fp32 -> (uint8 codes, per-block scales) in ``codec``, rounding bits ``r16``. A block with
+    a non-finite value is marked (see ``_MAX_M_X``): its finite values are coded as usual below
+    its smaller top code, its NaN and infinities by their own codes."""
+    n = x.numel()
     if codec == SIGNED:
-        scale, inv = _block_scales(x, _MAX_M)
-        return _enc_m(x, _expand(inv, x.numel()), r16).to(torch.uint8), scale
+        scale, inv, marked = _block_scales(x, _MAX_M, _MAX_M_X)
+        codes = _enc_m(x, _expand(inv, n), r16)
+        if marked.any():
+            sign = codes & 0x80
+            mag = (codes & 0x7F).clamp(max=_INF_M - 1)
+            finite = torch.where(mag == 0, 0, sign) | mag  # -0 is NaN's code here: +0
+            other = torch.where(torch.isnan(x), _NAN_M, _INF_M | ((_bits(x) >> 24) & 0x80))
+            codes = torch.where(_expand(marked, n),
+                                torch.where(torch.isfinite(x), finite, other), codes)
+        return codes.to(torch.uint8), scale
     sq = _sqrt(x)
-    scale, inv = _block_scales(sq, _MAX_S)
-    return _enc_mag(sq * _expand(inv, x.numel()), r16, 4).to(torch.uint8), scale
+    scale, inv, marked = _block_scales(sq, _MAX_S, _MAX_S_X)
+    codes = _enc_mag(sq * _expand(inv, n), r16, 4)
+    if marked.any():
+        coded = torch.where(torch.isnan(sq), _NAN_S,
+                            torch.where(torch.isinf(sq), _INF_S, codes.clamp(max=_NAN_S - 1)))
+        codes = torch.where(_expand(marked, n), coded, codes)
+    return codes.to(torch.uint8), scale
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, codec: str) -> torch.Tensor:
     n = codes.numel()
+    marked = torch.signbit(scales)
+    sc = _expand(scales.abs(), n)
+    c = codes.to(torch.int64)
     if codec == SIGNED:
-        return _dec_m(codes) * _expand(scales, n)
-    s = _dec_mag(codes.to(torch.int64), 4) * _expand(scales, n)
-    return s * s
+        out = _dec_m(codes) * sc
+        if marked.any():
+            mk = _expand(marked, n)
+            inf = torch.where(c >= 0x80, -torch.inf, torch.inf)
+            out = torch.where(mk & (c == _NAN_M), torch.nan, out)
+            out = torch.where(mk & ((c & 0x7F) == _INF_M), inf, out)
+        return out
+    s = _dec_mag(c, 4) * sc
+    out = s * s
+    if marked.any():
+        mk = _expand(marked, n)
+        out = torch.where(mk & (c == _NAN_S), torch.nan, out)
+        out = torch.where(mk & (c == _INF_S), torch.inf, out)
+    return out

@@ -11,9 +11,12 @@ A rule's state is one or two moment arrays (Adam: ``exp_avg`` and ``exp_avg_sq``
   normalized by its absolute maximum, and the codes are non-linear so that small values survive.
   Ours are small floats relative to the block scale, cheap to encode in SIMD: ``exp_avg`` is sign
   + E4M3 (magnitudes from 2^-17 to 1.875 scales); ``exp_avg_sq`` is stored as its square root in
-  unsigned E4M4 (2^-18 to 1.9375 scales), so v keeps 32 binades. A block holding a non-finite
-  value stores scale NaN and reads back all NaN; a block whose largest magnitude is 0 or below
-  2^-126 reads back 0.
+  unsigned E4M4 (2^-18 to 1.9375 scales), so v keeps 32 binades. A block whose largest
+  magnitude is 0 or below 2^-126 reads back 0. A non-finite value stays in its element, as in
+  fp32 (torch's AdamW, lion_pytorch): its block is "marked" (the scale's sign bit set), scaled
+  over its finite values to a top code of 1.75 (sqrt(v): 1.8125), and the codes above keep NaN,
+  +inf and -inf (``ops.codes``); the other 255 elements keep their values within the code's
+  bounds. A block stored with a NaN scale (before this) still reads back all NaN.
 
 The kernel rounds the stored moments stochastically, from a counter-based hash of
 ``(rng_key(seed, step), offset + i)``: round-to-nearest would freeze v, whose per-step change
