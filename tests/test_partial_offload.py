@@ -61,14 +61,17 @@ def test_each_fraction_equals_torch_adamw(fraction):
         placement.host_fraction(engine.layout, on_device(engine)))
 
 
-def test_trailing_buckets_hold_the_fraction_of_the_elements():
-    """Computed here from the layout: the device keeps the last buckets, whole, until they hold
-    at least 1 - fraction of the elements, and not one bucket more."""
+def test_trailing_buckets_hold_the_nearest_whole_bucket_split():
+    """Computed here from the layout: the device keeps the last buckets, whole, the split whose
+    host share is the nearest to the fraction of all the whole-bucket splits (here it has more
+    on the host than asked: rounding down would take one bucket more onto the device)."""
     engine = tiny_engine(precision="32-true", offload_fraction=0.37)
     shards = [b.shard for b in engine.layout.buckets]
     k = on_device(engine)
     kept, total = sum(shards[len(shards) - k:]), sum(shards)
-    assert kept >= 0.63 * total > kept - shards[len(shards) - k]
+    shares = [sum(shards[: len(shards) - j]) / total for j in range(len(shards) + 1)]
+    assert abs(shares[k] - 0.37) == min(abs(x - 0.37) for x in shares) < abs(shares[k + 1] - 0.37)
+    assert shares[k] > 0.37
     assert [s.b for s in engine._host.resident] == list(range(len(shards) - k, len(shards)))
     assert engine.offload_fraction == pytest.approx(1 - kept / total)
     # the host keeps only its prefix: master, moments and fp32 gradient shrink with it
@@ -393,21 +396,61 @@ def test_ranks_agree_on_the_smallest_auto_move():
     assert got == [(0, 1.0), (0, 1.0)]
 
 
-def test_a_fixed_fraction_that_snaps_far_to_whole_buckets_is_said_once(caplog):
+def _said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "runs at" in r.getMessage()]
+
+
+def test_a_fixed_fraction_off_its_split_is_said_once_however_near(caplog):
+    """The nearest whole-bucket split, said whenever it is not the fraction asked for: far (two
+    buckets, a tiny one and the rest: 0.5 is nearer all but the tiny one on the host than all
+    on the device) and near (0.37 runs 0.0069 from it), never where it is a split itself."""
     import re
 
     caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.resident")
     engine = tiny_engine(precision="32-true", offload_fraction=0.5, bucket_size_mb=None)
-    assert abs(engine.offload_fraction - 0.5) > 0.05  # two buckets: a tiny one and the rest
-    said = [r.getMessage() for r in caplog.records if "runs at" in r.getMessage()]
+    assert on_device(engine) == 1 and engine.offload_fraction > 0.9
+    said = _said(caplog)
     assert len(said) == 1, said
     m = re.fullmatch(r"ZeroOffload: offload_fraction=0.5 runs at (\d\.\d{4}): the device keeps "
-                     r"whole buckets \((\d) of 2\); smaller buckets \(bucket_size_mb\) split "
-                     r"the state closer to it", said[0])
+                     r"whole buckets \(1 of 2\), the nearest split; smaller buckets "
+                     r"\(bucket_size_mb\) split the state closer to it", said[0])
     assert m and m.group(1) == f"{engine.offload_fraction:.4f}", said
     caplog.clear()
-    tiny_engine(precision="32-true", offload_fraction=1.0, bucket_size_mb=None)
-    assert not [r for r in caplog.records if "runs at" in r.getMessage()]
+    engine = tiny_engine(precision="32-true", offload_fraction=0.37)
+    assert 0 < abs(engine.offload_fraction - 0.37) < 0.01
+    assert [f"runs at {engine.offload_fraction:.4f}" in x for x in _said(caplog)] == [True]
+    split = placement.host_fraction(engine.layout, 3)
+    for exact in (1.0, 0.0, split):
+        caplog.clear()
+        engine = tiny_engine(precision="32-true", offload_fraction=exact)
+        assert engine.offload_fraction == pytest.approx(exact, abs=1e-12)
+        assert not _said(caplog), exact
+
+
+def test_the_nearest_split_that_does_not_fit_gives_way_to_more_on_the_host(caplog):
+    """A fraction just above a split: that split (one bucket more on the device) is the nearest;
+    on a device one byte too small for it the engine takes the split above (more on the host),
+    says both, and trains within the capacity."""
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.resident")
+    layout = tiny_engine(precision="32-true", offload_fraction=1.0).layout
+    shards = [b.shard for b in layout.buckets]
+    k = 5
+    low, high = placement.host_share(shards, k), placement.host_share(shards, k - 1)
+    fraction = round(low + (high - low) / 4, 4)
+    assert placement.candidates(shards, fraction) == [k, k - 1]
+
+    def need(n: int) -> int:
+        return sum(device_budget.engine_parts(layout, n, torch.float32, delayed=False,
+                                              accumulate=True, rule=Adam).values())
+    engine, _ = _emulated(need(k) - 1, offload_fraction=fraction)
+    assert on_device(engine) == k - 1 and engine.offload_fraction == pytest.approx(high)
+    assert [f"runs at {high:.4f}" in x and f"that fits the device ({low:.4f} does not)" in x
+            for x in _said(caplog)] == [True]
+    caplog.clear()
+    engine, emu = _emulated(need(k), offload_fraction=fraction)
+    assert on_device(engine) == k and not [x for x in _said(caplog) if "does not" in x]
+    train(engine, batches(2), micro=2)
+    assert emu.peak_bytes <= need(k)
 
 
 @pytest.mark.usefixtures("isolated_process_group")  # a Lightning fit in this process

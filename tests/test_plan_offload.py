@@ -168,3 +168,18 @@ def test_the_device_parts_step_is_counted_apart_from_the_cpu_step(capsys):
     assert f"{half.device_step_elements / 1e9:.2f}B elements per rank" in line
     if not torch.cuda.is_available():
         assert "not measured: this machine has no CUDA device" in line
+
+
+def test_a_fixed_fraction_runs_at_the_nearest_whole_bucket_split_that_fits():
+    """Of 40 buckets the splits are 1/40 apart: 0.34 runs at 0.35 (nearer than 0.325, where
+    rounding the host share down took it), 0.337 at 0.325 (nearer, one bucket more on the
+    device) and, on a device one byte short of that split's bytes, at 0.35, which fits: the
+    engine's own choice (``core.placement.count_for``)."""
+    kw = dict(precision="bf16-mixed", host_memory="1TiB", measure=False)
+    assert plan(N, offload_fraction=0.34, device_memory="1TiB", **kw).offload_fraction == 0.35
+    near = plan(N, offload_fraction=0.337, device_memory="1TiB", **kw)
+    assert near.offload_fraction == 0.325
+    tight = plan(N, offload_fraction=0.337, device_memory=near.device_bytes - 1, **kw)
+    assert tight.offload_fraction == 0.35 and tight.fits
+    assert plan(N, offload_fraction=0.325, device_memory=near.device_bytes - 1,
+                **kw).fits is False  # a split itself has no other side to give way to

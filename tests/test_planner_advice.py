@@ -5,11 +5,12 @@ split fits, the report says what "auto" tried and which memory is short by how m
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from lightning_zero_offload.planner import main, plan
+from lightning_zero_offload.planner import cli, main, plan
 
 BOX = ["--device-memory", "141GiB", "--host-memory", "128GiB", "--no-measure"]
 CASES = {  # name -> lzo-plan arguments (the H200 box unless given)
@@ -43,12 +44,8 @@ def _suggestions(out: str) -> list[str]:
 def _applied(args: list[str], change: str) -> list[str]:
     """``args`` with the printed ``change`` applied, as a user would type it."""
     out = list(args)
-    for part in change.split(" + "):
-        part = re.sub(r" \(.*\)$", "", part)
-        if part == "without --delayed-update":
-            out.remove("--delayed-update")
-        else:
-            out += part.split()
+    for part in change.split(" + "):  # flags only: a later one wins (--no-delayed-update)
+        out += part.split()
     return out
 
 
@@ -125,3 +122,35 @@ def test_the_h200_box_table_every_change_fits(params, moments, capsys):
         assert "fits: yes" in _report(_applied(args, change), capsys), change
     if changes:
         assert not changes[0].startswith("--world-size"), changes
+
+
+@pytest.mark.parametrize("case", ["22B int8 at 0.5", "16B fp32 moments",
+                                  "3B on a 16 GiB device, 32 GiB host"])
+def test_a_change_is_flags_to_paste_with_its_reason_and_the_room_it_leaves(case, tmp_path,
+                                                                          capsys):
+    """In the JSON a change is ``lzo-plan`` flags only (the parser takes them after the
+    command's own, nothing else), its ``reason`` says why in words, and
+    ``device_headroom_bytes`` is the device memory it leaves free, as the change planned on its
+    own says (22B int8: the fraction that fits leaves about 11 GiB, less than the headroom
+    "auto" keeps, which its reason says too)."""
+    args = _args(case, tmp_path)
+    out = json.loads(_report([*args, "--json"], capsys))
+    assert out["suggestions"]
+    for s in out["suggestions"]:
+        applied = _applied(args, s["change"])
+        cli._parser().parse_args(applied)  # exits 2 on anything that is not its flags
+        assert "(" not in s["change"] and "without" not in s["change"], s
+        assert s["reason"] and not s["reason"].startswith("--"), s
+        again = json.loads(_report([*applied, "--json"], capsys))
+        assert again["fits"] is True
+        assert s["device_headroom_bytes"] == again["device_memory"] - again["device_bytes"], s
+        warned = any("the engine warns at setup" in n for n in again["notes"])
+        assert warned == ("the engine warns at setup" in s["reason"]), (s, again["notes"])
+    if case == "22B int8 at 0.5":
+        first = out["suggestions"][0]
+        assert first["change"].startswith("--offload-fraction ")
+        assert 10 * 2**30 < first["device_headroom_bytes"] < 0.2 * 141 * 2**30
+        assert "the engine warns at setup" in first["reason"]
+    # "without --delayed-update" is a flag too (test_planner lists it for a 9B delayed run)
+    assert cli._parser().parse_args([*args, "--delayed-update", "--no-delayed-update"]
+                                    ).delayed_update is False

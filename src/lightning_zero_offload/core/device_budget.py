@@ -19,7 +19,7 @@ import torch
 from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
-from lightning_zero_offload.core.placement import host_fraction
+from lightning_zero_offload.core.placement import device_count, host_fraction
 from lightning_zero_offload.core.rule import Rule
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,16 @@ def state_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: 
     n = len(layout.buckets)
     return sum(bucket_bytes(b.shard, dtype, accumulate, rule)
                for b in layout.buckets[n - on_device:] if on_device)
+
+
+def fixed_count(layout: Layout, fraction: float, dtype: torch.dtype, *, delayed: bool,
+                accumulate: bool, free: int | None, rule: type[Rule]) -> int:
+    """The device buckets of a fixed ``offload_fraction`` (``placement.count_for``): the split
+    nearest to it whose engine device bytes fit in ``free`` (None: no memory of its own)."""
+    def fits(n: int) -> bool:
+        return free is None or sum(engine_parts(
+            layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule).values()) <= free
+    return device_count(layout, fraction, fits)
 
 
 def _listed(p: dict[str, int]) -> str:

@@ -81,7 +81,9 @@ class DevicePart:
         def host_fits(n: int) -> bool:
             return sum(self._budget(n, self.accumulate).values()) <= available
         if self.fraction != "auto":
-            n = placement.device_count(self.layout, float(self.fraction))
+            n = device_budget.fixed_count(
+                self.layout, float(self.fraction), self.dtype, delayed=self._delayed,
+                accumulate=accumulate, free=free, rule=self.rule)
             memory = self.dev.memory()
             device_budget.check_fixed(
                 self.layout, n, self.dtype, delayed=self._delayed, accumulate=accumulate,
@@ -112,15 +114,21 @@ class DevicePart:
         return n
 
     def agree(self) -> dict[str, int]:
-        """Collective with several ranks: the largest count of any rank (a short host's);
-        sets and returns the host budget at it."""
-        self.count = self._reduce(self.count, dist.ReduceOp.MAX)
-        if self.fraction != "auto" and abs(self.resolved - float(self.fraction)) > 0.05 and (
-                self.rank == 0):
-            logger.warning(  # whole buckets only: a small model or large buckets snap far
+        """Collective with several ranks: under ``"auto"`` the largest count of any rank (a
+        short host's), for a fixed fraction the smallest (a rank whose device took the split
+        with more on the host); sets and returns the host budget at it."""
+        self.count = self._reduce(self.count, dist.ReduceOp.MAX if self.fraction == "auto"
+                                  else dist.ReduceOp.MIN)
+        shards = [b.shard for b in self.layout.buckets]
+        if self.fraction != "auto" and self.rank == 0 and placement.differs(
+                shards, self.count, float(self.fraction)):
+            nearest = placement.candidates(shards, float(self.fraction))[0]
+            logger.warning(  # whole buckets only: said whenever the split is not the request
                 "ZeroOffload: offload_fraction=%g runs at %.4f: the device keeps whole buckets "
-                "(%d of %d); smaller buckets (bucket_size_mb) split the state closer to it",
-                float(self.fraction), self.resolved, self.count, len(self.layout.buckets))
+                "(%d of %d), the nearest split%s; smaller buckets (bucket_size_mb) split the "
+                "state closer to it", float(self.fraction), self.resolved, self.count,
+                len(shards), "" if nearest == self.count else
+                f" that fits the device ({placement.host_share(shards, nearest):.4f} does not)")
         self.host_budget = self._budget(self.count, self.accumulate)
         return self.host_budget
 

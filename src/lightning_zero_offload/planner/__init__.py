@@ -48,8 +48,9 @@ device (CUDA)
 
 partial offload (``offload_fraction``, ``split``)
     the last buckets in reduction order (the model's first layers) keep their state on the
-    device, whole, until it holds ``1 - offload_fraction`` of this rank's trained elements
-    ``S_d``: the device adds ``(4 + 8 + h) S_d`` (fp32 master and moments, a gradient in the
+    device, whole: the split nearest to ``offload_fraction`` (or the one with more on the host
+    where the nearer one's engine bytes do not fit the device), ``S_d`` of this rank's trained
+    elements: the device adds ``(4 + 8 + h) S_d`` (fp32 master and moments, a gradient in the
     compute dtype; ``+ 4 S_d`` accumulating), the host counts the rest of the buckets only.
     ``"auto"`` resolves to the largest fraction whose host part fits the host and whose device
     part fits ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all;
@@ -65,9 +66,26 @@ models) and every bucket to ``16 W`` (counted). The largest model that fits keep
 sequence and so the activation estimate; when activations alone leave no room it says so.
 """
 
-from lightning_zero_offload.planner.cli import main
-from lightning_zero_offload.planner.figures import Plan, plan
-from lightning_zero_offload.planner.inputs import PlanArgumentError, parse_bytes
-from lightning_zero_offload.planner.model import model_info
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.planner.cli import main
+    from lightning_zero_offload.planner.figures import Plan, plan
+    from lightning_zero_offload.planner.inputs import PlanArgumentError, parse_bytes
+    from lightning_zero_offload.planner.model import model_info
+
+# name -> its module, imported on first use: ``lzo-plan --help`` (this package's ``cli``) then
+# never imports torch, which ``figures`` does
+_LAZY = {"Plan": "figures", "plan": "figures", "parse_bytes": "inputs", "model_info": "model",
+         "main": "cli", "PlanArgumentError": "inputs"}
 
 __all__ = ["Plan", "plan", "parse_bytes", "model_info", "main", "PlanArgumentError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

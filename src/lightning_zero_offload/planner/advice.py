@@ -40,9 +40,15 @@ def short_resources(p: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _entry(change: str, q: Any) -> dict[str, Any]:
-    return {"change": change, "fits": bool(q.fits), "device_bytes": q.device_bytes,
-            "host_bytes": q.host_bytes_per_node}
+def _entry(o: dict[str, Any], q: Any) -> dict[str, Any]:
+    """A suggestion: ``change``, only ``lzo-plan`` flags (pasted after the command's own, they
+    plan ``q``); ``reason``, what it does, in words; its plan's figures, and the device memory
+    it leaves free (None without a device size)."""
+    free = None if q.device_memory is None or q.device != "cuda" else (
+        q.device_memory - q.device_bytes)
+    return {"change": _flags(o), "reason": _reasons(o, q), "fits": bool(q.fits),
+            "device_bytes": q.device_bytes, "host_bytes": q.host_bytes_per_node,
+            "device_headroom_bytes": free}
 
 
 def _smallest_world_size(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
@@ -164,6 +170,7 @@ def _pool(s: dict[str, Any], evaluate: Evaluate, cuda: bool) -> list[dict[str, A
 
 
 def _flags(o: dict[str, Any]) -> str:
+    """The ``lzo-plan`` flags of changes ``o``, ``" + "`` between changes."""
     parts = []
     for key, value in o.items():
         if key == "offload_fraction":
@@ -177,24 +184,50 @@ def _flags(o: dict[str, Any]) -> str:
         elif key == "attention":
             parts.append(f"--attention {value}")
         elif key == "delayed_update":
-            parts.append("without --delayed-update")
+            parts.append("--no-delayed-update")
         elif key == "batch_size":
             parts.append(f"--batch-size {value}")
         elif key == "seq_len":
             parts.append(f"--seq-len {value}")
         elif key == "device_memory":
-            parts.append(f"--device-memory {value // GiB}GiB (a larger device)")
+            parts.append(f"--device-memory {value // GiB}GiB")
         elif key == "headroom":
             parts.append(f"--device-memory-headroom {value:g}")
         elif key == "host_reserve":
-            parts.append(f"--host-reserve {value // GiB}GiB (less for the OS, Python and data "
-                         "loaders)")
+            parts.append(f"--host-reserve {value // GiB}GiB")
     return " + ".join(parts)
 
 
+_WHY = {
+    "offload_fraction": "the largest share of the optimizer state on the host that fits both "
+                        "memories, the rest (whole buckets) on the device",
+    "moment_dtype": "the optimizer's moments kept in {value} on the host",
+    "world_size": "more machines, as many ranks on each: a rank's host shard shrinks as 1/N",
+    "activation_checkpointing": "each layer recomputed in backward: only layer inputs kept",
+    "attention": "SDPA/flash kernels: no seq^2 attention scores kept",
+    "delayed_update": "no second device copy of the weights, no second host gradient",
+    "batch_size": "the largest batch that fits",
+    "seq_len": "the longest sequence that fits (at batch 1)",
+    "device_memory": "a larger device",
+    "headroom": "less of the device kept free by \"auto\"",
+    "host_reserve": "less host memory kept for the OS, Python and data loaders",
+}
+
+
+def _reasons(o: dict[str, Any], q: Any) -> str:
+    """What changes ``o`` do, in words (``"; "`` between them), and where plan ``q`` leaves
+    less than the headroom free on the device, that the engine warns of it."""
+    why = [_WHY[k].format(value=v) for k, v in o.items() if k in _WHY]
+    if any("the engine warns at setup" in n for n in q.notes):
+        why.append(f"leaves less than --device-memory-headroom {q.device_memory_headroom:g} "
+                   "of the device free: the engine warns at setup")
+    return "; ".join(why)
+
+
 def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any]]:
-    """The changes that make plan ``p`` (settings ``s``) fit: ``{change, fits, device_bytes,
-    host_bytes}`` each, ``host_bytes`` per node. Only changes that re-plan to a fit are listed."""
+    """The changes that make plan ``p`` (settings ``s``) fit: ``{change, reason, fits,
+    device_bytes, host_bytes, device_headroom_bytes}`` each (``_entry``), ``host_bytes`` per
+    node. Only changes that re-plan to a fit are listed."""
     cuda = s["device"] == "cuda"
     device_side: list[dict[str, Any]] = []
     host_side: list[dict[str, Any]] = []
@@ -224,11 +257,11 @@ def suggest(p: Any, s: dict[str, Any], evaluate: Evaluate) -> list[dict[str, Any
         plans[id(o)] = evaluate(o)
         device_side.append(o)
         fixes_device.append(o)
-    out = [_entry(_flags(o), plans[id(o)]) for o in pool + host_side + device_side + both
+    out = [_entry(o, plans[id(o)]) for o in pool + host_side + device_side + both
            if plans[id(o)].fits]
     if not out:  # both memories short (or delayed update and the host): one change of each
         for d in fixes_device:
             for h in host_side:
                 if (q := evaluate({**d, **h})).fits:
-                    out.append(_entry(_flags({**d, **h}), q))
+                    out.append(_entry({**d, **h}, q))
     return out

@@ -1,16 +1,23 @@
 """The ``lzo-plan`` command: ``plan``'s arguments as options, its report as text or JSON. A bad
-value exits 2 with ``lzo-plan: error:`` naming the option (or the file) and what is expected."""
+value exits 2 with ``lzo-plan: error:`` naming the option (or the file) and what is expected.
+The parser imports nothing heavy (``--help`` and a bad option answer without torch); ``plan``
+is imported once the options parsed."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from lightning_zero_offload.core.rules import RULES
-from lightning_zero_offload.planner.figures import _ELEM, DEFAULT_HOST_RESERVE, MOMENT_DTYPES, plan
-from lightning_zero_offload.planner.inputs import PlanArgumentError
+from lightning_zero_offload.planner.inputs import (
+    AUTO,
+    DEFAULT_HEADROOM,
+    DEFAULT_HOST_RESERVE,
+    ELEM,
+    MOMENT_DTYPES,
+    OPTIMIZERS,
+    PlanArgumentError,
+)
 from lightning_zero_offload.planner.model import ATTENTION
-from lightning_zero_offload.planner.split import AUTO, DEFAULT_HEADROOM
 
 
 def _number_or_text(value: str) -> float | str:
@@ -28,13 +35,20 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", help="parameter count: 7e9, 7B, 350M")
     src.add_argument("--model", help="local HF model folder or its config.json")
-    p.add_argument("--precision", default="bf16-mixed", choices=sorted(_ELEM))
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--ranks-per-node", type=int, help="default: --world-size (one machine)")
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(ELEM),
+                   help="the Lightning precision: the compute dtype of the device's weights and "
+                   "gradients (default: %(default)s)")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="data-parallel ranks: each keeps 1/N of the host state (default: "
+                   "%(default)s)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks sharing one machine's host memory "
+                   "(default: --world-size, one machine)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="compute device (cpu: everything is host memory)")
-    p.add_argument("--device-memory", help="per device, e.g. 24GiB")
-    p.add_argument("--host-memory", help="per machine, e.g. 128GiB")
+    p.add_argument("--device-memory", help="per device, e.g. 24GiB; without it whether the "
+                   "device fits is unknown ('fits' is null in --json)")
+    p.add_argument("--host-memory", help="per machine, e.g. 128GiB; without it whether the host "
+                   "fits is unknown ('fits' is null in --json)")
     p.add_argument("--host-reserve", default=DEFAULT_HOST_RESERVE,
                    help="of --host-memory, kept for the OS, Python and data loaders: a "
                    "percentage or a size, e.g. 8GiB (default: %(default)s); 'fits' and the "
@@ -45,16 +59,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="what the activation estimate assumes: eager keeps the batch x heads x "
                    "seq^2 attention scores; memory-efficient (SDPA/flash kernels) keeps none "
                    "(default: %(default)s)")
-    p.add_argument("--bucket-size-mb", type=float, default=25.0)
-    p.add_argument("--delayed-update", action="store_true")
+    p.add_argument("--bucket-size-mb", type=float, default=25.0,
+                   help="gradient bucket size in MiB of the compute dtype; the device keeps "
+                   "whole buckets' optimizer state (ZeroOffloadConfig.bucket_size_mb; default: "
+                   "%(default)s)")
+    p.add_argument("--delayed-update", action=argparse.BooleanOptionalAction, default=False,
+                   help="delayed parameter update: a second device copy of the weights and a "
+                   "second host gradient (ZeroOffloadConfig.delayed_update; default: off)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="the model recomputes each layer in backward (keeps only layer inputs)")
     p.add_argument("--accumulate", action="store_true",
                    help="the run accumulates gradients (accumulate_grad_batches > 1)")
     p.add_argument("--moment-dtype", default="fp32", choices=list(MOMENT_DTYPES),
-                   help="how the host keeps the optimizer's moments "
-                   "(ZeroOffloadConfig.moment_dtype)")
-    p.add_argument("--optimizer", default="adamw", choices=[r.KEY for r in RULES],
+                   help="how the host keeps the optimizer's moments (default: %(default)s; "
+                   "ZeroOffloadConfig.moment_dtype)")
+    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="the update rule whose state the host keeps (default: %(default)s)")
     p.add_argument("--offload-fraction", default=AUTO, type=_number_or_text,
                    help="share of the optimizer state on the host, the rest (whole buckets, the "
@@ -63,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    "ZeroOffloadConfig.offload_fraction)")
     p.add_argument("--device-memory-headroom", default=DEFAULT_HEADROOM, type=_number_or_text,
                    help="share of the device's memory auto leaves free (default: %(default)s)")
-    p.add_argument("--frozen-params", default="0", help="parameters that do not train")
+    p.add_argument("--frozen-params", default="0",
+                   help="of the parameters, those that do not train, e.g. a LoRA base model's "
+                   "(default: %(default)s)")
     p.add_argument("--no-measure", action="store_true", help="skip the 0.2 s kernel timing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -73,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     """The ``lzo-plan`` command."""
     p = _parser()
     a = p.parse_args(argv)
+    from lightning_zero_offload.planner.figures import plan  # torch: only once parsed
+
     try:
         result = plan(a.params, model=a.model, precision=a.precision, world_size=a.world_size,
                       ranks_per_node=a.ranks_per_node, device=a.device,

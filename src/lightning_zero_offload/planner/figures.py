@@ -17,9 +17,9 @@ from lightning_zero_offload.planner import inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
 
-_ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
-MOMENT_DTYPES = ("fp32", "bf16", "int8")
-DEFAULT_HOST_RESERVE = "10%"
+_ELEM = inputs.ELEM
+MOMENT_DTYPES = inputs.MOMENT_DTYPES
+DEFAULT_HOST_RESERVE = inputs.DEFAULT_HOST_RESERVE
 
 
 @dataclass
@@ -288,8 +288,11 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         """Buckets kept on the device; None when no "auto" split fits both memories."""
         if device == "cpu":
             return 0
-        if not auto:
-            return split.device_buckets(shards(n_trained), st["offload_fraction"])
+        if not auto:  # the engine's setup check: its own bytes (no activations yet) fit
+            def engine_fits(k: int) -> bool:
+                d = sizes(n_trained, n_frozen, st["accumulate"], 0, k)[0]
+                return dev_mem is None or sum(d.values()) <= dev_mem
+            return split.device_buckets(shards(n_trained), st["offload_fraction"], engine_fits)
 
         def fits(k: int) -> tuple[bool | None, bool | None]:
             d, hb = sizes(n_trained, n_frozen, st["accumulate"], a, k)

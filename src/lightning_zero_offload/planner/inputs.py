@@ -8,6 +8,15 @@ import re
 from typing import Any
 
 MAX_PARAMS = 10**12  # the planner counts bucket by bucket: beyond a trillion it takes minutes
+# The settings' names and defaults, here (no torch) so that ``lzo-plan --help`` imports nothing
+# heavy: bytes per element of each precision's compute dtype, the moment dtypes, the update
+# rules' keys (``core.rules.RULES``' ``KEY``; a test holds them equal), the defaults.
+ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
+MOMENT_DTYPES = ("fp32", "bf16", "int8")
+OPTIMIZERS = ("adamw", "lion")
+DEFAULT_HOST_RESERVE = "10%"
+AUTO = "auto"
+DEFAULT_HEADROOM = 0.2
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

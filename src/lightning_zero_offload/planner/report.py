@@ -110,8 +110,12 @@ def render(p: Any) -> str:
                      "changes that fit: none among offload fraction, moment dtype, ranks, "
                      "activation checkpointing, attention, delayed update, batch size, "
                      "sequence length")
-        lines += [f"  {e['change']}: device {_size(e['device_bytes'])}, "
-                  f"host {_size(e['host_bytes'])} per node" for e in p.suggestions]
+        for e in p.suggestions:  # the flags to paste, then why
+            free = e["device_headroom_bytes"]
+            lines.append(f"  {e['change']}: device {_size(e['device_bytes'])}" +
+                         ("" if free is None else f" ({_size(free)} of it free)") +
+                         f", host {_size(e['host_bytes'])} per node")
+            lines.append(f"    {e['reason']}")
     if p.max_params_blocked_by == "activations":
         lines.append(f"largest model that fits: none at batch {p.batch_size} x {p.seq_len}: "
                      f"activations are the limit (estimate {_size(p.activation_bytes)}, device "

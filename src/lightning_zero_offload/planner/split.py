@@ -3,8 +3,9 @@ optimizer state stays on the device, and what a device-resident element costs th
 
 The trained state per rank is its shard of every bucket, buckets in reduction order. The
 trailing buckets (whose gradients arrive last in backward: the model's first layers) stay on the
-device, whole, until the device holds at least ``1 - offload_fraction`` of the trained elements;
-the fraction reported is the host's elements over all of them. What a device-resident element
+device, whole: the split whose host share is the nearest to ``offload_fraction``, or the one
+above it (more on the host) where the nearer does not fit the device; the fraction reported is
+the host's elements over all of them. What a device-resident element
 costs the device is the engine's count (``core.device_budget``); it costs the host nothing. The
 split is the engine's own (``core.placement``). ``"auto"`` keeps on the device only what the
 host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
@@ -17,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_zero_offload.core.placement import count_for, host_share
+from lightning_zero_offload.planner import inputs
 
-AUTO = "auto"
-DEFAULT_HEADROOM = 0.2
+AUTO, DEFAULT_HEADROOM = inputs.AUTO, inputs.DEFAULT_HEADROOM
 
 
 def host_fraction(shards: list[int], k: int) -> float:
@@ -28,10 +29,12 @@ def host_fraction(shards: list[int], k: int) -> float:
     return host_share(shards, k)
 
 
-def device_buckets(shards: list[int], fraction: float) -> int:
-    """How many trailing buckets stay on the device for ``offload_fraction=fraction`` (the
-    engine's ``core.placement.count_for``)."""
-    return count_for(shards, fraction)
+def device_buckets(shards: list[int], fraction: float,
+                   fits: Callable[[int], bool] | None = None) -> int:
+    """How many trailing buckets stay on the device for ``offload_fraction=fraction``: the
+    whole-bucket split nearest to it, or the one above it (more on the host) where the nearer
+    does not ``fits`` the device (the engine's ``core.placement.count_for``)."""
+    return count_for(shards, fraction, fits)
 
 
 def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
