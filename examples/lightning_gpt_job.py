@@ -94,20 +94,28 @@ class GPT(LightningModule):
 
 class Throughput(Callback):
     """Tokens per second over the steps after ``warmup``, the peak host RSS and, with
-    ``time_batches``, each batch's wall time (a device sync per batch: only when asked for)."""
+    ``time_batches``, each batch's wall time (a device sync per batch: only when asked for).
+    A run of ``warmup`` steps or fewer is measured over all its batches, from the first one's
+    start (setup excluded, the first steps' one-time costs included): :meth:`measured` says
+    which."""
 
     def __init__(self, tokens_per_batch: int, warmup: int = 3, time_batches: bool = False) -> None:
         self.tokens_per_batch, self.warmup = tokens_per_batch, warmup
         self.time_batches = time_batches
         self.batches, self.start = 0, None
+        self.all_batches, self.first = 0, None  # every batch, from the first one's start
         self.peak_rss = 0
         self.process = psutil.Process()
         self.batch_seconds: list[float] = []
         self._last = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.first is None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.first = time.perf_counter()
         if self.time_batches and self._last is None:  # the first batch: from its start
-            self._last = time.perf_counter()
+            self._last = self.first
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.time_batches:
@@ -118,6 +126,7 @@ class Throughput(Callback):
             self.batch_seconds.append(now - self._last)
             self._last = now
         self.peak_rss = max(self.peak_rss, self.process.memory_info().rss)
+        self.all_batches += 1
         if trainer.global_step == self.warmup and self.start is None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -125,12 +134,27 @@ class Throughput(Callback):
         elif self.start is not None:
             self.batches += 1
 
+    def measured(self) -> str:
+        """What :meth:`tokens_per_second` covers, in words."""
+        if self.batches:
+            return f"{_count(self.batches, 'batch', 'batches')} after a {self.warmup}-step warm-up"
+        return (f"{_count(self.all_batches, 'batch', 'batches')}, warm-up included: with more "
+                f"than {_count(self.warmup, 'step')} it is left out")
+
     def tokens_per_second(self) -> float:
-        if self.start is None or self.batches == 0:
-            return float("nan")
+        """Over the batches after the warm-up, or all of them where none came after it."""
+        start, batches = (self.start, self.batches) if self.batches else (
+            self.first, self.all_batches)
+        if start is None or batches == 0:
+            raise RuntimeError("Throughput: no batch ran")
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return self.batches * self.tokens_per_batch / (time.perf_counter() - self.start)
+        return batches * self.tokens_per_batch / (time.perf_counter() - start)
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{n} {one if n == 1 else (many or one + 's')}"
 
 
 class LossLog(Callback):
@@ -176,7 +200,7 @@ def run(args: argparse.Namespace, dims: tuple[int, int, int]) -> None:
     params = sum(p.numel() for p in model.parameters())
     strategy = "auto" if args.no_zero_offload else ZeroOffloadStrategy(
         delayed_update=args.delayed_update, moment_dtype=args.moment_dtype,
-        offload_fraction=args.offload_fraction)
+        offload_fraction=args.offload_fraction, bucket_size_mb=args.bucket_size_mb)
     losses = LossLog()
     throughput = Throughput(tokens_per_batch=args.batch_size * args.seq_len * args.devices,
                             time_batches=bool(args.loss_csv))
@@ -206,11 +230,12 @@ def run(args: argparse.Namespace, dims: tuple[int, int, int]) -> None:
         print(
             f"\nmodel: Llama {args.size} ({params / 1e6:.1f}M parameters), {args.precision}, "
             f"{optimizer} ({engine}), {args.devices} x {accelerator}, "
-            f"{args.steps} steps, "
+            f"{_count(args.steps, 'step')}, "
             "final loss "
             f"{float(trainer.callback_metrics['loss']):.3f}"
         )
-        print(f"throughput: {throughput.tokens_per_second():,.0f} tokens/s (all ranks)")
+        print(f"throughput: {throughput.tokens_per_second():,.0f} tokens/s (all ranks, over "
+              f"{throughput.measured()})")
         if torch.cuda.is_available():
             device_gib = torch.cuda.max_memory_allocated() / 2**30
             print(f"peak device memory: {device_gib:.2f} GiB (rank 0)")

@@ -126,35 +126,61 @@ class Llama(LightningModule):
 
 
 class Bytes(Dataset):
-    """Byte-level windows of this file's own text (no download)."""
+    """``samples`` byte-level windows of this file's own text (no download), cycling through
+    them: sized so that one epoch holds the run's steps."""
 
-    def __init__(self, seq: int = 64) -> None:
+    def __init__(self, samples: int, seq: int = 64) -> None:
         data = torch.tensor(list(open(__file__, "rb").read()), dtype=torch.long)
         self.windows = data.unfold(0, seq + 1, seq // 2)
+        self.samples = samples
 
     def __len__(self) -> int:
-        return len(self.windows)
+        return self.samples
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        return self.windows[i]
+        return self.windows[i % len(self.windows)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--devices", type=int, default=4)
-    ap.add_argument("--accelerator", default="auto")
-    ap.add_argument("--tensor-parallel-size", type=int, default=2)
-    ap.add_argument("--precision", default="32-true")
-    ap.add_argument("--max-steps", type=int, default=20)
-    ap.add_argument("--batch-size", type=int, default=8)
-    args = ap.parse_args()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", type=int, default=4,
+                    help="processes (GPUs, or CPU processes with --accelerator cpu); "
+                    "default: %(default)s")
+    ap.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=2,
+                    help="ranks that split each layer; --devices / this many replicas train "
+                    "data-parallel (default: %(default)s)")
+    ap.add_argument("--precision", default="32-true",
+                    help="Lightning precision, e.g. bf16-mixed (default: %(default)s)")
+    ap.add_argument("--max-steps", type=int, default=20,
+                    help="optimizer steps, all in one epoch (default: %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=8,
+                    help="per data-parallel replica (default: %(default)s)")
+    args = ap.parse_args(argv)
+    if args.devices < 1 or args.tensor_parallel_size < 1 or args.devices % (
+            args.tensor_parallel_size):
+        ap.error(f"argument --tensor-parallel-size: {args.tensor_parallel_size} must divide "
+                 f"--devices ({args.devices})")
+    if args.max_steps < 1 or args.batch_size < 1:
+        ap.error("argument --max-steps/--batch-size: must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.manual_seed(0)  # the same initial weights on every rank
     # the default "popen" launcher: "spawn" would pickle the DTensor weights back to the parent
     strategy = ZeroOffloadStrategy(tensor_parallel_size=args.tensor_parallel_size)
+    # one epoch of exactly max_steps batches on every data-parallel replica: max_epochs=1 (with
+    # max_steps alone Lightning's max_epochs is -1, and the progress bar reads "Epoch 0/-2")
+    replicas = args.devices // args.tensor_parallel_size
+    data = Bytes(samples=args.max_steps * args.batch_size * replicas)
     trainer = Trainer(strategy=strategy, devices=args.devices, accelerator=args.accelerator,
-                      precision=args.precision, max_steps=args.max_steps, gradient_clip_val=1.0,
-                      logger=False, enable_checkpointing=False, log_every_n_steps=5)
-    trainer.fit(Llama(), DataLoader(Bytes(), batch_size=args.batch_size, shuffle=True))
+                      precision=args.precision, max_steps=args.max_steps, max_epochs=1,
+                      gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                      log_every_n_steps=5)
+    trainer.fit(Llama(), DataLoader(data, batch_size=args.batch_size, shuffle=True))
     if trainer.is_global_zero:
         print(f"final loss {trainer.callback_metrics['loss'].item():.4f}")
 

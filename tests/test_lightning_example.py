@@ -88,18 +88,48 @@ def test_peer_runs_train_without_the_engine(tmp_path, optimizer, printed):
     assert all(0 < float(loss) < 10 and float(t) > 0 for _, loss, t in rows[1:])
 
 
-def test_offload_fraction_flag_reaches_the_strategy_and_help_shows_defaults():
+def test_offload_fraction_and_bucket_size_flags_reach_the_strategy_and_help_shows_defaults():
+    """``--bucket-size-mb`` splits the tiny model (one 25 MiB bucket: 0.5 would run at 1.0, the
+    nearer of its two splits) into buckets whose nearest split is near 0.5; two steps print a
+    throughput (no step after the warm-up: measured over both) and "2 steps"."""
     import re
 
     proc = _run("--steps", "2", "--batch-size", "2", "--seq-len", "32", "--offload-fraction",
-                "0.5")
+                "0.5", "--bucket-size-mb", "0.25")
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = re.search(r"offload fraction (\d\.\d{3})", proc.stdout)
-    assert m and float(m.group(1)) < 1.0, proc.stdout  # a device part: not all on the host
+    assert m and abs(float(m.group(1)) - 0.5) < 0.1, proc.stdout
+    assert re.search(r", 2 steps, .*\nthroughput: [\d,]+ tokens/s \(all ranks, over 2 batches, "
+                     "warm-up included", proc.stdout), proc.stdout
     shown = _run("--help")
     assert "(default: auto)" in shown.stdout and "(default: 60)" in shown.stdout, shown.stdout
+    assert "--bucket-size-mb" in shown.stdout and "(default: 25.0)" in shown.stdout
     bad = _run("--offload-fraction", "1.5")
     assert bad.returncode == 2 and "must be in [0, 1] or auto, got 1.5" in bad.stderr
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_throughput_is_measured_however_few_the_steps(steps, monkeypatch):
+    """After a 3-step warm-up where there are steps after it, else over every batch from the
+    first one's start: never nan, and "1 step" in the singular."""
+    import math
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(RECIPE.parent))
+    job = pytest.importorskip("lightning_gpt_job")
+    clock = iter(range(100))
+    monkeypatch.setattr(job.time, "perf_counter", lambda: float(next(clock)))
+    meter, trainer = job.Throughput(tokens_per_batch=10), SimpleNamespace(global_step=0)
+    for i in range(steps):
+        meter.on_train_batch_start(trainer, None, None, i)
+        trainer.global_step += 1
+        meter.on_train_batch_end(trainer, None, None, None, i)
+    rate = meter.tokens_per_second()
+    assert math.isfinite(rate) and rate > 0
+    assert meter.measured() == ("1 batch after a 3-step warm-up" if steps == 4 else
+                                f"{job._count(steps, 'batch', 'batches')}, warm-up included: "
+                                "with more than 3 steps it is left out")
+    assert job._count(1, "step") == "1 step" and job._count(2, "step") == "2 steps"
 
 
 def test_help_and_bad_flags_answer_without_importing_torch():
