@@ -124,3 +124,29 @@ def test_prebuilt_read_only_dir_loads_without_compiler(fresh: Path, monkeypatch,
         assert str(target) in printed and f"LZO_BUILD_DIR={root}" in printed
     finally:
         target.chmod(stat.S_IRWXU)
+
+
+def _isa_in_fresh_process(value: str) -> subprocess.CompletedProcess:
+    """A new process (the path is chosen when the extension loads) with ``LZO_KERNEL_ISA=value``
+    prints the path in use after one step."""
+    code = ("import torch\nfrom lightning_zero_offload import ops\n"
+            "p, g, m, v = torch.ones(100), torch.ones(100), torch.zeros(100), torch.zeros(100)\n"
+            "ops.fused_adamw_(p, g, m, v, step=1, lr=0.5)\nprint(ops.get_isa())\n")
+    env = dict(os.environ, **{_build.ENV_ISA: value})
+    env.pop(_build.ENV_KERNEL, None)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_kernel_isa_env_selects_the_path_or_names_those_there_are() -> None:
+    paths = ops.available_isas()
+    if not paths:
+        pytest.skip("the C++ kernel is not in use")
+    # the last path is never the default where there are several (best first)
+    proc = _isa_in_fresh_process(f" {paths[-1].upper()} ")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [paths[-1]]
+    proc = _isa_in_fresh_process("avx1024")
+    assert proc.returncode != 0
+    assert "LZO_KERNEL_ISA='avx1024'" in proc.stderr, proc.stderr
+    assert f"available here (best first): {', '.join(paths)}" in proc.stderr, proc.stderr

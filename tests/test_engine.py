@@ -89,7 +89,10 @@ def test_bf16_mixed_weights_are_views_and_track_fp32():
     full = engine.full_state_dict()["model"]
     for name, p in engine.module.named_parameters():
         assert torch.equal(p, full[name].to(torch.bfloat16))  # device copy = rounded master
-    assert rel_err(engine.module, ref) < 3e-2
+    # Against fp32 torch, not the engine's arithmetic: bf16 forwards and backwards round by the
+    # CPU's path (oneDNN's and ATen's kernels), 2.7e-2 (ATEN_CPU_CAPABILITY=default) to 3.0e-2
+    # (AVX-512) here after 10 steps; the bound leaves that spread a margin of about 2.
+    assert rel_err(engine.module, ref) < 6e-2
     assert engine.module.blocks[0].ln1.weight.dtype == torch.bfloat16
     out = engine.module(batches(1)[0][0])  # inputs are cast by the pre-hook; ints untouched
     assert out.dtype == torch.bfloat16

@@ -29,13 +29,21 @@ STEPS = 6
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def reference(steps: int = STEPS, micro: int = 2, clip: float = 1.0) -> torch.nn.Module:
-    """The tiny GPT under torch's AdamW (two groups), ``micro`` micro-batches per step, clip."""
+def reference(steps: int = STEPS, micro: int = 2, clip: float = 1.0,
+              world: int = 1) -> torch.nn.Module:
+    """The tiny GPT under torch's AdamW (two groups), ``micro`` micro-batches per step, clip.
+
+    ``world`` > 1: each micro-batch cut as that many ranks cut it, each part backpropagated on
+    its own (divided by ``world``: the ranks' gradients averaged). The BLAS then multiplies the
+    shapes the ranks multiply, so what is left to differ from the ranks is the engine's own
+    arithmetic (the fused step, the order of the sums), not how a BLAS splits a larger matmul.
+    """
     model = make(0)
     opt = torch.optim.AdamW(param_groups(model, lr=1e-2), lr=1e-2, weight_decay=0.1)
     for x, y in batches(steps):
         for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            (lm_loss(model(xs), ys) / micro).backward()
+            for xr, yr in zip(xs.chunk(world), ys.chunk(world), strict=True):
+                (lm_loss(model(xr), yr) / (micro * world)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
@@ -344,18 +352,22 @@ def _ranks_fractions(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_equal_torch_adamw_at_each_fraction():
+    """Against torch's AdamW split as the ranks split each batch (``reference(world=2)``), not
+    torch's full batch: the full batch is as near as its BLAS splits those larger matmuls, which
+    differs by CPU and MKL_CBWR (2.4e-6 on an AVX-512 Xeon and under MKL_CBWR=COMPATIBLE, 3.5e-7
+    on an AMD EPYC) and says nothing of the engine. The same split leaves the engine's own
+    arithmetic: 2.6e-7 (AMD EPYC) to 3.2e-7 (MKL_CBWR=COMPATIBLE) after 6 steps, within the
+    single-process run's bound of 1e-6 (3.1e-7 there)."""
     from _dist import run_ranks
 
     got = run_ranks(_ranks_fractions, 2)
-    ref = reference()
-    want = dict(ref.named_parameters())
+    want = dict(reference(world=2).named_parameters())
     for r in got:
         host = r[1.0][0]
         for f, (params, n, buckets) in r.items():
             assert n == {0.0: buckets, 1.0: 0}.get(f, n) and (0 < n < buckets or f != 0.37)
             assert max(rel_err(params[k], host[k]) for k in want) < 1e-6, f
-            # two ranks average two half-batch gradients: torch's full batch rounds otherwise
-            assert max(rel_err(params[k], v) for k, v in want.items()) < 2e-6, f
+            assert max(rel_err(params[k], v) for k, v in want.items()) < 1e-6, f
 
 
 def test_the_planner_counts_the_device_part_as_the_engine_allocates_it():

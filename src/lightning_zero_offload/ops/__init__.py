@@ -69,7 +69,8 @@ def get_isa() -> str:
 def force_isa(name: str) -> Iterator[None]:
     """Use one SIMD path inside the block (process-wide; for tests and benchmarks).
 
-    All paths give bit-identical results; this exists to prove that and to measure them.
+    All paths give bit-identical results; this exists to prove that and to measure them. For a
+    whole process (CI runs the numeric tests on each path), set ``LZO_KERNEL_ISA`` instead.
     """
     ext = _build.load()
     if ext is None:

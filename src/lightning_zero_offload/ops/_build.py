@@ -4,6 +4,9 @@
 
 - ``LZO_KERNEL=reference``: the reference, no build. ``LZO_KERNEL=cpp``: the kernel or an error.
   Unset (or ``auto``): the kernel; without a C++ compiler, the reference with one warning.
+- ``LZO_KERNEL_ISA=NAME``: the kernel's SIMD path, one of ``available_isas()`` on this CPU
+  (``avx512bf16``, ``avx512``, ``avx2``, ``scalar``); unset, empty or ``auto``: the CPU's best.
+  All paths give the same bits; this lets CI and users run every path without code changes.
 - The build is cached under ``$LZO_BUILD_DIR`` (default ``~/.cache/lightning_zero_offload``) in a
   folder named by a key over the sources, torch version, flags and Python ABI, so a change to any
   of them builds afresh and a finished build loads without a compiler (``lzo-build`` prebuilds one
@@ -32,6 +35,7 @@ import torch
 NAME = "lzo_kernels"
 ENV_KERNEL = "LZO_KERNEL"
 ENV_BUILD_DIR = "LZO_BUILD_DIR"
+ENV_ISA = "LZO_KERNEL_ISA"
 INSTALL_HINT = (
     "Install a C++17 compiler (Debian/Ubuntu: `apt install g++`; RHEL: `dnf install gcc-c++`; "
     "conda: `conda install -c conda-forge gxx`; macOS: `xcode-select --install`), or set "
@@ -177,6 +181,22 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
         os.environ["PATH"] = env_path
 
 
+def select_isa(module: ModuleType) -> None:
+    """Set the SIMD path ``$LZO_KERNEL_ISA`` names (nothing when unset, empty or ``auto``)."""
+    name = os.environ.get(ENV_ISA, "").strip().lower()
+    if name in ("", "auto"):
+        return
+    available = list(module.available_isas())
+    if name not in available:
+        # set_isa refuses too, but its message does not name the variable the user set.
+        raise RuntimeError(
+            f"{ENV_ISA}={name!r}: this CPU's kernel has no such SIMD path; available here (best "
+            f"first): {', '.join(available)}. Set one of them, or unset it (or 'auto') for the "
+            "best."
+        )
+    module.set_isa(name)
+
+
 def load() -> ModuleType | None:
     """The extension (built on first use), or None when the reference is in use."""
     global _ext, _warned_no_compiler
@@ -208,7 +228,9 @@ def load() -> ModuleType | None:
                     stacklevel=3,
                 )
             return None
-        _ext = module if module is not None else build(build_dir)
+        module = module if module is not None else build(build_dir)
+        select_isa(module)  # before publishing it: a bad value raises on every load
+        _ext = module
         return _ext
 
 
