@@ -117,8 +117,11 @@ class DevicePart:
         """Collective with several ranks: under ``"auto"`` the largest count of any rank (a
         short host's), for a fixed fraction the smallest (a rank whose device took the split
         with more on the host); sets and returns the host budget at it."""
+        own = self.count
         self.count = self._reduce(self.count, dist.ReduceOp.MAX if self.fraction == "auto"
                                   else dist.ReduceOp.MIN)
+        if self.fraction != "auto" and self._check_host:
+            self._check_agreed(own)
         shards = [b.shard for b in self.layout.buckets]
         if self.fraction != "auto" and self.rank == 0 and placement.differs(
                 shards, self.count, float(self.fraction)):
@@ -151,6 +154,27 @@ class DevicePart:
                 s.free()
             raise
         return made
+
+    def _check_agreed(self, own: int) -> None:
+        """Collective with several ranks: the agreed count of a fixed fraction may keep more on
+        this rank's host than its own choice (a peer's device took the split with more on the
+        host), so the host is checked again at it; every rank raises if any rank is short."""
+        error = None
+        if self.count != own:
+            try:
+                check_host_memory(sum(self._budget(self.count, self.accumulate).values()),
+                                  ranks.process_rank())
+            except MemoryError as e:
+                error = e
+        short = self._reduce(self.rank + 1 if error is not None else 0, dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if short:
+            raise MemoryError(
+                f"ZeroOffload: rank {short - 1}'s host cannot hold its optimizer shard at the "
+                f"split the ranks agreed on (offload_fraction={self.fraction} runs at "
+                f"{self.resolved:.4f}: a rank's device could not keep the nearer split); see "
+                f"rank {short - 1}'s error")
 
     def _reduce(self, n: int, op: dist.ReduceOp.RedOpType) -> int:
         if self.layout.world_size == 1:
