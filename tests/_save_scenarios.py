@@ -10,13 +10,15 @@ tmpfs: a file fills it), ``efbig`` (``RLIMIT_FSIZE``), ``readonly-mount`` (FOLDE
 remounted read-only), ``readonly-chmod`` (not root: the folder's write bits). Under two ranks
 only the rank that writes fails (rank 1 for a folder, rank 0 for a file).
 
-``python _save_scenarios.py unwaited FILE_OR_DIR FOLDER [--blocking] [--destroy]``: a checkpoint
-saved at step 2, then one at step 3 with ``blocking=False`` (``--blocking``: a blocking one, the
-reference) as the script's last call; ``--destroy`` destroys the process group after it.
+``python _save_scenarios.py unwaited FILE_OR_DIR FOLDER [--blocking] [--destroy] [--at-exit]``: a
+checkpoint saved at step 2, then one at step 3 with ``blocking=False`` (``--blocking``: a blocking
+one, the reference) as the script's last call; ``--destroy`` destroys the process group after it;
+``--at-exit``: that save is made by an exit hook.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -107,14 +109,18 @@ def faults(kind: str, folder: Path) -> dict:
     return out
 
 
-def unwaited(kind: str, folder: Path, blocking: bool, destroy: bool) -> dict:
+def unwaited(kind: str, folder: Path, blocking: bool, destroy: bool, at_exit: bool) -> dict:
     engine = tiny_engine(precision="32-true")
     path = folder / "ck"
     train(engine, batches(2))
     engine.save_checkpoint(path, sharded=kind == "dir")
     before = digest(path)
     train(engine, batches(1, seed=5))
-    engine.save_checkpoint(path, sharded=kind == "dir", blocking=blocking)  # not waited for
+    save = lambda: engine.save_checkpoint(path, sharded=kind == "dir", blocking=blocking)  # noqa: E731
+    if at_exit:  # started by an exit hook: the interpreter is already past waiting for threads
+        atexit.register(save)
+    else:
+        save()  # not waited for
     if destroy:
         dist.destroy_process_group()
     return {"before": before}
@@ -126,7 +132,8 @@ def main(argv: list[str]) -> None:
     if argv[0] == "fault":
         result = faults(argv[1], Path(argv[2]))
     else:
-        result = unwaited(argv[1], Path(argv[2]), "--blocking" in argv, "--destroy" in argv)
+        result = unwaited(argv[1], Path(argv[2]), "--blocking" in argv, "--destroy" in argv,
+                          "--at-exit" in argv)
     Path(os.environ["RESULTS"], f"rank-{RANK}.json").write_text(json.dumps(result))
 
 

@@ -121,14 +121,14 @@ def _content(path: Path) -> dict:
             torch.load(p, weights_only=True) for p in found}
 
 
-def _unwaited(tmp_path: Path, kind: str, world: int) -> None:
+def _unwaited(tmp_path: Path, kind: str, world: int, *extra: str) -> None:
     from _helpers import equal_nested
 
     saved = {}
     for how in ("async", "blocking"):
         folder = tmp_path / how
         folder.mkdir()
-        args = ["--blocking"] if how == "blocking" else []
+        args = ["--blocking"] if how == "blocking" else list(extra)
         results, out = _run("unwaited", kind, str(folder), *args, world=world)
         assert "RuntimeWarning" not in out and "Traceback" not in out, out
         assert sorted(p.name for p in folder.iterdir()) == ["ck"], out
@@ -140,6 +140,12 @@ def _unwaited(tmp_path: Path, kind: str, world: int) -> None:
 def test_a_save_the_script_never_waits_for_is_published_at_exit(tmp_path, kind):
     """Item 2, one process: the checkpoint is what a blocking save at that step writes."""
     _unwaited(tmp_path, kind, 1)
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_an_asynchronous_save_an_exit_hook_starts_is_written_as_a_blocking_one(tmp_path, kind):
+    """No exit hook would settle a save started by one: it is written then and there."""
+    _unwaited(tmp_path, kind, 1, "--at-exit")
 
 
 @pytest.mark.slow

@@ -73,10 +73,14 @@ class Threads:
 
     def __init__(self, n: int) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name="zero-offload-crc", daemon=True)
-                         for _ in range(max(1, n))]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        for _ in range(max(1, n)):
+            t = threading.Thread(target=self._work, name="zero-offload-crc", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no new threads at exit (CPython 3.12.0/1): CRCs done inline
+                break
+            self._threads.append(t)
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -89,7 +93,10 @@ class Threads:
     def crc(self, data: memoryview) -> Future:
         """The CRC-32 of ``data``, taken on one of the threads."""
         done: Future = Future()
-        self._jobs.put((done, data))
+        if self._threads:
+            self._jobs.put((done, data))
+        else:
+            done.set_result(zlib.crc32(data))
         return done
 
     def __enter__(self) -> Threads:

@@ -16,6 +16,7 @@ or a plain model, and a load cuts it back to this rank's shards.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -256,9 +257,8 @@ class EngineState:
         rank, a failed save leaves nothing behind, an OS error names ``path``; ``owner`` lives
         while an asynchronous save is in flight (the engine: its process group)."""
         self.saves.settle()
-        path = files.check_name(path)
-        with files.writing(path):
-            if not blocking:
+        with files.writing(path := files.check_name(path)):
+            if not blocking and threading.main_thread().is_alive():  # at exit: none settles it
                 if sharded:
                     shard = {**self.shard(to_write=True), "module_extra": self.weights.untrained()}
                     started = pending.start_dir(self, path, shard, extra or {})
@@ -299,7 +299,7 @@ class EngineState:
         as one checksummed file that rank 0 writes; an error on any rank raises on every rank."""
         self.saves.settle()
         with files.writing(path := files.check_name(path)):
-            if not blocking:
+            if not blocking and threading.main_thread().is_alive():  # at exit: none settles it
                 started = pending.start_file(self, obj, path)
                 if started is not None:
                     return self.saves.hold(started, owner)

@@ -125,7 +125,7 @@ class PendingSave:
     def _settle(self) -> None:
         if self._settled:
             return
-        self._ended()
+        self._settled = True  # the owner (its process group) is kept until the agreement ends
         rank, world, group = self._state.files_rank
         try:
             if world == 1:
@@ -143,6 +143,8 @@ class PendingSave:
                     f"the asynchronous save of {str(self.path)!r} failed on another rank ({e}); "
                     "it was not published, the previous checkpoint is intact") from e
             raise
+        finally:
+            self._ended()
 
 
 class InFlight:
@@ -193,7 +195,11 @@ class InFlight:
 
 def _settle_at_exit() -> None:
     for save in list(_UNSETTLED):
-        save.settle_at_exit()
+        try:
+            save.settle_at_exit()
+        except BaseException as e:  # e.g. warnings as errors: the next save is still settled
+            print(f"lightning_zero_offload: the asynchronous save of {str(save.path)!r} was not "
+                  f"settled at exit: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def _nbytes(obj: Any) -> int:

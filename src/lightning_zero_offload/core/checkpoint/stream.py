@@ -204,7 +204,7 @@ def write(obj: Mapping, path: Path) -> None:
                 zf.write_end_of_file()
             raise
         finally:
-            del zf
+            del zf  # (a traceback may still hold it: finished above, its destructor writes nothing)
 
 
 class _Sink:
