@@ -218,29 +218,6 @@ def test_lightning_async_checkpoint_io_is_refused(tmp_path):
         t.fit(Net(), loader())
 
 
-def test_fabric_async_checkpoint_equals_a_blocking_save(tmp_path):
-    from lightning.fabric import Fabric, seed_everything
-
-    from lightning_zero_offload.lightning import ZeroOffloadFabricStrategy
-
-    saved = {}
-    for kind in ("async", "blocking"):
-        fabric = Fabric(accelerator="cpu", devices=1, strategy=ZeroOffloadFabricStrategy(
-            async_checkpoint=kind == "async"))
-        fabric.launch()
-        seed_everything(0)
-        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-        for _ in range(3):
-            fabric.backward(model(torch.ones(4, 8)).square().mean())
-            optimizer.step()
-            optimizer.zero_grad()
-        fabric.save(tmp_path / f"{kind}.ckpt", {"model": model, "optimizer": optimizer})
-        fabric.strategy.teardown()  # waits for the save in flight
-        saved[kind] = torch.load(tmp_path / f"{kind}.ckpt", weights_only=True)
-    assert equal_nested(saved["async"], saved["blocking"])
-
-
 @pytest.mark.parametrize("sharded", [False, True])
 def test_the_snapshot_kept_for_the_next_save_counts_in_host_bytes(tmp_path, sharded):
     """The copy an asynchronous save writes from is kept for the next one: ``host_bytes``
