@@ -57,7 +57,6 @@ from lightning_zero_offload.config_env import (  # noqa: E402
     zero_offload_enabled,
 )
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
-from lightning_zero_offload.core.collectives import destroy_at_exit  # noqa: E402
 from lightning_zero_offload.core.optimizer import mark_stepped  # noqa: E402
 
 __all__ = [
@@ -234,8 +233,6 @@ class ZeroOffloadPlugin:
         if device.type == "cpu":
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
         engine = ZeroOffload(model, optimizer, config, device=device)
-        if accelerator.num_processes > 1:  # Accelerate leaves it to the script's end_training
-            destroy_at_exit()
         module = engine.module
         setattr(module, _PREPARED, True)
         # A model prepared for evaluation earlier (Trainer.evaluate before train) is listed once.

@@ -39,10 +39,13 @@ class CollectiveError(RuntimeError):
 def engine_group(group: Any, timeout_s: float | None) -> Any:
     """The process group the engine's collectives use: a copy of the default group with the
     timeout (collective over every process). A subgroup the caller passes is used as it is,
-    with its own timeout: copying it would need every process of the default group."""
-    if timeout_s is None or not (dist.is_available() and dist.is_initialized()):
+    with its own timeout: copying it would need every process of the default group. With
+    several processes, the groups are destroyed at exit (:func:`destroy_at_exit`)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return group
-    if group not in (None, dist.group.WORLD) or dist.get_world_size() == 1:
+    if dist.get_world_size() > 1:
+        destroy_at_exit()  # a script that leaves its gloo groups to the exit may abort there
+    if timeout_s is None or group not in (None, dist.group.WORLD) or dist.get_world_size() == 1:
         return group
     return dist.new_group(timeout=timedelta(seconds=timeout_s), backend=dist.get_backend())
 
