@@ -114,6 +114,7 @@ class SyncUpdate:
                 self.worker.run(self.update.run, plan, push, False)
             else:
                 self.update.run(plan, push, True)
+        self.weights.dev.compute_point()  # what runs next (a post hook, the forward) sees them
         self.profile.close(step)
 
 
