@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
         dev = statistics.median(t[1] for t in times[f])
         rows.append({"fraction": f, "resolved": e.offload_fraction, "cpu_step_s": cpu,
                      "device_step_s": dev, "cpu_step_min_s": min(t[0] for t in times[f]),
-                     "buckets": len(e.layout.buckets), "on_device": len(e._host.resident)})
+                     "buckets": len(e.layout.buckets), "on_device": len(e._buckets.device())})
         e.teardown()
     base = next(r for r in rows if r["fraction"] == 1.0)
     for r in rows:

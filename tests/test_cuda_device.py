@@ -22,7 +22,7 @@ def test_teardown_frees_host_buffers_before_the_device_closes() -> None:
     close = engine._dev.close
 
     def recording_close() -> None:
-        seen.append(bool(engine._host.master) or engine._host.grads.staging is not None)
+        seen.append(bool(engine._host.master) or engine._host.staging[0] is not None)
         close()
     engine._dev.close = recording_close  # type: ignore[method-assign]
     engine.teardown()

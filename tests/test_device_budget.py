@@ -54,7 +54,7 @@ def test_the_named_fraction_trains_within_the_capacity(precision, delayed, micro
             engine = tiny_engine(precision=precision, offload_fraction=fraction, **kw)
         train(engine, batches(3), micro=micro)
         assert made[0].peak_bytes <= capacity, (fraction, made[0].peak_bytes, capacity)
-        assert 0 < len(engine._host.resident) or fraction == 1.0
+        assert 0 < len(engine._buckets.device()) or fraction == 1.0
         engine.teardown()
 
 
@@ -113,8 +113,8 @@ def test_a_fixed_fraction_inside_the_headroom_is_warned_of(caplog):
         engine = tiny_engine(precision="32-true", offload_fraction=fraction, max_grad_norm=1.0)
     said = [r.getMessage() for r in caplog.records if "device_memory_headroom" in r.getMessage()]
     assert len(said) == 1 and f"offload_fraction={fraction:g} leaves" in said[0], said
-    left = capacity - sum(t.numel() * t.element_size() for s in engine._host.resident
-                          for t in s.tensors())
+    left = capacity - sum(t.numel() * t.element_size() for s in engine._buckets.device()
+                          for t in s.device_tensors())
     assert left > 0
     train(engine, batches(2))
     ref = tiny_engine(precision="32-true", offload_fraction=1.0, max_grad_norm=1.0)

@@ -201,24 +201,24 @@ def test_accumulation_moves_gradients_off_the_autograd_thread(monkeypatch) -> No
     allocated before autograd starts, never inside a hook."""
     import threading
 
-    from lightning_zero_offload.core.host import GradSet
-    from lightning_zero_offload.core.stage import HostStage
+    from lightning_zero_offload.core.host import HostBuffers
+    from lightning_zero_offload.core.stage import HostGradSide
 
     calls: list[tuple[str, bool]] = []
-    grad, alloc = HostStage.fp32_grad, GradSet.allocate_fp32
+    grad, alloc = HostGradSide.fp32_grad, HostBuffers.allocate_fp32
 
-    def spy_grad(self: HostStage) -> torch.Tensor:
+    def spy_grad(self: HostGradSide) -> torch.Tensor:
         calls.append((threading.current_thread().name, in_backward[0]))
         return grad(self)
 
-    def spy_alloc(self: GradSet) -> None:
-        if self.fp32 is None:  # a real allocation, not the no-op of a later call
+    def spy_alloc(self: HostBuffers) -> None:
+        if not self.has_fp32_grads:  # a real allocation, not the no-op of a later call
             allocs.append(torch._C._current_autograd_node() is None)
         alloc(self)
 
     in_backward, allocs = [False], []
-    monkeypatch.setattr(HostStage, "fp32_grad", spy_grad)
-    monkeypatch.setattr(GradSet, "allocate_fp32", spy_alloc)
+    monkeypatch.setattr(HostGradSide, "fp32_grad", spy_grad)
+    monkeypatch.setattr(HostBuffers, "allocate_fp32", spy_alloc)
     with emulated_async_device(seed=0):
         engine = _engine("bf16-mixed", False)
     x, y = batches(1)[0]

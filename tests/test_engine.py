@@ -544,7 +544,8 @@ def test_pinned_staging_is_budgeted_after_rounding():
     """F1: torch's pinned allocator rounds each block up to a power of two; staging slices are
     packed into power-of-two blocks, so the budget is what is reserved and close to the bytes
     used, where one pinned buffer per group would reserve up to twice as much."""
-    from lightning_zero_offload.core.host import _arena_blocks, pinned_size
+    from lightning_zero_offload.core.host_plan import arena_blocks as _arena_blocks
+    from lightning_zero_offload.core.host_plan import pinned_size
 
     assert [pinned_size(n) for n in (1, 2, 3, 1000, 2**20 + 1)] == [1, 2, 4, 1024, 2**21]
     slices = [25 * 2**20] * 537 + [7 * 2**20]  # a 6.7B-parameter model's bf16 bucket shards

@@ -51,7 +51,7 @@ def reference(steps: int = STEPS, micro: int = 2, clip: float = 1.0,
 
 
 def on_device(engine) -> int:
-    return len(engine._host.resident)
+    return len(engine._buckets.device())
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.37, 1.0])
@@ -80,7 +80,7 @@ def test_trailing_buckets_hold_the_nearest_whole_bucket_split():
     shares = [sum(shards[: len(shards) - j]) / total for j in range(len(shards) + 1)]
     assert abs(shares[k] - 0.37) == min(abs(x - 0.37) for x in shares) < abs(shares[k + 1] - 0.37)
     assert shares[k] > 0.37
-    assert [s.b for s in engine._host.resident] == list(range(len(shards) - k, len(shards)))
+    assert [s.b for s in engine._buckets.device()] == list(range(len(shards) - k, len(shards)))
     assert engine.offload_fraction == pytest.approx(1 - kept / total)
     # the host keeps only its prefix: master, moments and fp32 gradient shrink with it
     host_elems = sum(shards[: len(shards) - k])
@@ -220,21 +220,21 @@ with testing.emulated_async_device(seed=1, memory_bytes=1 << 40) as made:
 shards = [b.shard for b in engine.layout.buckets]
 need = sum(device_budget.bucket_bytes(s, torch.float32, False, Adam) for s in shards[-4:])
 made[0].memory = lambda: (0, int(need / 0.8) + 1)  # room for the last 4 buckets' state
-real, seen = HostBuffers.move_to_device, {}
+real, seen = HostBuffers.shrink, {}
 
-def move(self, resident, release):
+def move(self, host, release):
     seen["state"] = sum(t.numel() * 4 for t in self.master) + sum(m.nbytes for m in self.moments)
     seen["before"] = status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    out = real(self, resident, release)
+    out = real(self, host, release)
     seen["over"] = status("VmHWM") - seen["before"]
     return out
 
-HostBuffers.move_to_device = move
+HostBuffers.shrink = move
 model(torch.randn(8, 1024)).square().mean().backward()
 engine.step()
-print(json.dumps({**seen, "moved": len(engine._host.resident)}))
+print(json.dumps({**seen, "moved": len(engine._buckets.device())}))
 """
 
 
@@ -346,7 +346,7 @@ def _ranks_fractions(rank: int, world: int) -> dict:
             data.append((torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])))
         train(engine, data, micro=2)
         out[f] = ({n: p.detach().clone() for n, p in engine.module.named_parameters()},
-                  len(engine._host.resident), len(engine.layout.buckets))
+                  len(engine._buckets.device()), len(engine.layout.buckets))
     return out
 
 
@@ -381,7 +381,8 @@ def test_the_planner_counts_the_device_part_as_the_engine_allocates_it():
     shards = [b.shard for b in engine.layout.buckets]
     k = split.device_buckets(shards, 0.5)
     assert k == on_device(engine) and 0 < k < len(shards)
-    held = sum(t.numel() * t.element_size() for s in engine._host.resident for t in s.tensors())
+    held = sum(t.numel() * t.element_size() for s in engine._buckets.device()
+               for t in s.device_tensors())
     assert held == device_budget.state_bytes(engine.layout, k, torch.bfloat16, True, Adam)
     assert split.host_fraction(shards, k) == engine.offload_fraction
 
@@ -490,8 +491,8 @@ def test_after_teardown_the_engine_holds_no_tensor_of_its_device_part():
 
     engine = tiny_engine(precision="32-true", offload_fraction=0.5)
     train(engine, batches(2))
-    assert engine._host.resident  # a device part
-    refs = [weakref.ref(t) for stage in engine._host.resident for t in stage.tensors()]
+    assert engine._buckets.device()  # a device part
+    refs = [weakref.ref(t) for bucket in engine._buckets.device() for t in bucket.device_tensors()]
     engine.teardown()
     gc.collect()
     alive = sum(r() is not None for r in refs)
@@ -513,8 +514,9 @@ def test_every_bucket_shard_exports_and_loads_its_state_in_place(moment_dtype):
     first = len(b.layout.buckets) - on_device(b)
     assert 0 < first < len(b.layout.buckets)
     names = Adam.STATE
-    for i, shard in enumerate(b._host.shards()):
-        assert shard.resident == (i >= first) and shard is b._host.shard(i)
+    for i, bucket in enumerate(b._buckets):
+        shard, on_dev = bucket.shard, bucket.place == "device"
+        assert on_dev == (i >= first) and bucket is b._buckets[i]
         master, state = shard.export("master").clone(), [t.clone() for t in shard.export_state()]
         assert all(torch.equal(shard.export(n), t) for n, t in zip(names, state, strict=True))
         half = master.numel() // 2
@@ -522,7 +524,7 @@ def test_every_bucket_shard_exports_and_loads_its_state_in_place(moment_dtype):
         assert torch.equal(shard.export("master")[:half], master[:half])
         assert torch.all(shard.export("master")[half:] == 7.0)
         shard.load(state32=[torch.full_like(t, 0.5) for t in state])
-        tol = 0.0 if shard.resident or moment_dtype == "fp32" else 1e-2  # int8 codes
+        tol = 0.0 if on_dev or moment_dtype == "fp32" else 1e-2  # int8 codes
         assert all(torch.allclose(t, torch.full_like(t, 0.5), rtol=tol, atol=0)
                    for t in shard.export_state())
         shard.load(master, state)

@@ -35,13 +35,13 @@ def test_fp32_cpu_model_is_released_before_the_other_host_buffers(monkeypatch, p
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
     refs = _storages(model)
     alive_at_allocation: list[int] = []
-    real = setup_mod.HostBuffers
+    real = setup_mod.HostBuffers.allocate
 
-    def spy(*args, **kwargs):
+    def spy(self):
         alive_at_allocation.append(_alive(refs))
-        return real(*args, **kwargs)
+        return real(self)
 
-    monkeypatch.setattr(setup_mod, "HostBuffers", spy)
+    monkeypatch.setattr(setup_mod.HostBuffers, "allocate", spy)
     engine = tiny_engine(model=model, precision=precision)
     # when the moments, gradients and staging are allocated, no user fp32 storage is left
     assert alive_at_allocation == [0]
@@ -75,8 +75,9 @@ def test_bf16_model_fills_master_through_a_bounded_buffer(monkeypatch):
         assert torch.equal(got[name], w), name
     # the same fill again, over the engine's (bf16, host) parameters: one buffer of 100 elements
     spy = _EmptySpy()
+    master = [t.clone() for t in engine._host.master]
     monkeypatch.setattr(host, "torch", spy)
-    master = host.fill_master(engine.layout, 0, torch.bfloat16, pinned=False)
+    host.fill_master(engine.layout, 0, False, engine._buckets)
     monkeypatch.setattr(host, "torch", torch)
     assert spy.calls == [(100, torch.bfloat16)]
     assert all(torch.equal(a, b) for a, b in zip(master, engine._host.master, strict=True))
@@ -86,8 +87,9 @@ def test_bf16_model_fills_master_through_a_bounded_buffer(monkeypatch):
 def test_fp32_host_parameters_are_copied_without_a_buffer(monkeypatch):
     engine = tiny_engine(model=make(0), precision="32-true")
     spy = _EmptySpy()
+    master = [t.clone() for t in engine._host.master]
     monkeypatch.setattr(host, "torch", spy)
-    master = host.fill_master(engine.layout, 0, torch.float32, pinned=False)
+    host.fill_master(engine.layout, 0, False, engine._buckets)
     monkeypatch.setattr(host, "torch", torch)
     assert spy.calls == []
     assert all(torch.equal(a, b) for a, b in zip(master, engine._host.master, strict=True))

@@ -165,3 +165,134 @@ def test_no_core_module_writes_another_owners_attribute() -> None:
             if owners and name not in own:
                 bad.append(f"{path.relative_to(SRC)}:{line} writes {base}.{name} ({owners})")
     assert not bad, "\n".join(bad)
+
+
+# -- buckets: one record per bucket owns its place, its sides and its state (issue 45) ----------
+BUCKETS = PKG / "core" / "buckets.py"
+_IN_PLACE = ("copy_", "zero_")  # methods that write the tensor they are called on
+
+
+def _stage_and_shard_types() -> set[str]:
+    """The classes of a bucket's sides and shards (``core.stage``, ``core.shard``)."""
+    return {node.name for p in (PKG / "core" / "stage.py", PKG / "core" / "shard.py")
+            for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def _ours(tree: ast.AST, types: set[str]) -> set[str]:
+    """Names of ``types`` as a module spells them: imported from ``core.stage``/``core.shard``
+    (another ``Shard``, DTensor's placement, is not ours), or ``stage.X``/``shard.X``."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] in (
+                "stage", "shard"):
+            out |= {a.asname or a.name for a in node.names if a.name in types}
+    return out | {f"{m}.{t}" for m in ("stage", "shard") for t in types}
+
+
+def placement_questions(tree: ast.AST, types: set[str]) -> list[tuple[int, str]]:
+    """Where a module asks where a bucket lives, outside ``core.buckets``: an ``isinstance`` on
+    a side or shard type, a ``.resident``, or ``len(...buckets) -`` (a suffix counted)."""
+    found, ours = [], _ours(tree, types)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "isinstance" and len(node.args) == 2
+                and ours & {ast.unparse(n) for n in ast.walk(node.args[1])}):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "resident":
+            found.append((node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+              and isinstance(node.left, ast.Call) and isinstance(node.left.func, ast.Name)
+              and node.left.func.id == "len" and node.left.args
+              and ast.unparse(node.left.args[0]).endswith("buckets")):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_only_the_buckets_answer_where_a_bucket_lives() -> None:
+    types = _stage_and_shard_types()
+    bad = [f"{p.relative_to(SRC)}:{line}: {text}" for p in _modules().values() if p != BUCKETS
+           for line, text in placement_questions(ast.parse(p.read_text()), types)]
+    assert not bad, "\n".join(bad)
+
+
+def _written(node: ast.AST) -> ast.AST | None:
+    """The tensor expression an in-place write writes: ``x`` of ``x.copy_(..)``/``x.zero_()``
+    or of ``x[...] = ..``; None for anything else."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _IN_PLACE):
+        return node.func.value
+    if isinstance(node, ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Subscript):
+                return target.value
+    return None
+
+
+def _owner_chain(expr: ast.AST) -> ast.Attribute | None:
+    """The attribute a written expression is a view of: ``a.b`` of ``a.b[g][lo:hi]``."""
+    while isinstance(expr, ast.Subscript):
+        expr = expr.value
+    return expr if isinstance(expr, ast.Attribute) else None
+
+
+def foreign_writes(tree: ast.AST, own: set[str], owned: dict[str, list[str]]
+                   ) -> list[tuple[int, str]]:
+    """In-place writes (``.copy_``, ``.zero_()``, slice assignment) into an attribute that
+    another module's classes own (assign on ``self``), on an object other than ``self``, and
+    not one this module owns too; a local name bound to such an attribute counts as it."""
+    found = []
+    for func in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+        alias: dict[str, ast.Attribute] = {}
+        for node in ast.walk(func):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
+                    node.targets[0], ast.Name) and (chain := _owner_chain(node.value)):
+                alias[node.targets[0].id] = chain
+            written = _written(node)
+            if written is None:
+                continue
+            base = written
+            while isinstance(base, ast.Subscript):
+                base = base.value
+            chain = alias.get(base.id) if isinstance(base, ast.Name) else _owner_chain(base)
+            if (chain is not None and ast.unparse(chain.value) not in ("self", "cls")
+                    and chain.attr in owned and chain.attr not in own):
+                found.append((node.lineno, f"{ast.unparse(written)} ({owned[chain.attr]})"))
+    return sorted(set(found))
+
+
+def _owners() -> tuple[dict[Path, set[str]], dict[Path, dict[str, list[str]]]]:
+    """Per core module, the names it assigns on ``self``, and the names the others own."""
+    mods = {p: _attribute_writes(ast.parse(p.read_text()))[0]
+            for p in sorted((PKG / "core").rglob("*.py"))}
+    others = {p: {name: [q.name for q, theirs in mods.items() if q != p and name in theirs]
+                  for q, theirs in mods.items() if q != p for name in theirs} for p in mods}
+    return mods, others
+
+
+def test_no_core_module_writes_another_owners_tensors_in_place() -> None:
+    """A shard's tensors (and any owner's) are written by their owner only: checkpoint loads
+    and the master fill go through ``shard.load``."""
+    own, others = _owners()
+    bad = [f"{p.relative_to(SRC)}:{line} writes {text}" for p in own
+           for line, text in foreign_writes(ast.parse(p.read_text()), own[p], others[p])]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_structure_checks_see_what_they_forbid() -> None:
+    """Each check, on a planted violation."""
+    types = {"HostShard", "DeviceGradSide"}
+    for src in ("from lightning_zero_offload.core.shard import HostShard\n"
+                "isinstance(s, HostShard)", "isinstance(s, (int, stage.DeviceGradSide))",
+                "x = host.resident", "n = len(self.layout.buckets) - k"):
+        assert placement_questions(ast.parse(src), types), src
+    for src in ("n = len(shards) - k\nisinstance(x, int)",
+                "from torch.distributed.tensor import Shard\nisinstance(p, Shard)"):
+        assert not placement_questions(ast.parse(src), types | {"Shard"}), src
+    owned = {"master": ["shard.py"], "moments": ["host.py"]}
+    for src in ("def f(host):\n    host.master[0].copy_(x)",
+                "def f(b):\n    b.shard.master[2:4] = x",
+                "def f(host):\n    m = host.moments[0]\n    m.zero_()"):
+        assert foreign_writes(ast.parse(src), set(), owned), src
+    for src in ("def f(self):\n    self.master[0].copy_(x)", "def f(t):\n    t[1:2] = x",
+                "def f(b):\n    b.shard.load(x)"):
+        assert not foreign_writes(ast.parse(src), set(), owned), src

@@ -124,7 +124,7 @@ def _train_fractions(rank: int, world: int) -> dict:
         engine = _engine(2, 2, precision="32-true", offload_fraction=f)
         _steps(engine, 2, range(STEPS))
         engine.gather_weights()
-        out[f] = (_full(engine.module), len(engine._host.resident), len(engine.layout.buckets))
+        out[f] = (_full(engine.module), len(engine._buckets.device()), len(engine.layout.buckets))
         engine.teardown()
     return out
 
@@ -541,7 +541,7 @@ def _placement(root: str) -> dict:
     _steps(a, 1, range(2, 4))
     a.gather_weights()
     want = _full(a.module)
-    out = {"resident": len(a._host.resident), "buckets": len(a.layout.buckets)}
+    out = {"resident": len(a._buckets.device()), "buckets": len(a.layout.buckets)}
     a.teardown(copy_weights_to_module=False)
     for path in ("placed", "placed.pt"):
         for f in (0.5, 1.0, 0.0):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.threads import CpuStepWorker
 from lightning_zero_offload.core.update import HostUpdate, StepPlan
@@ -54,9 +54,9 @@ class DelayedUpdate:
     push, gathering the other ranks' shards, and swap it in)."""
 
     def __init__(self, worker: CpuStepWorker | None, profile: ProfileRecorder,
-                 weights: DeviceWeights, host: HostBuffers, update: HostUpdate) -> None:
+                 weights: DeviceWeights, buckets: Buckets, update: HostUpdate) -> None:
         self.worker, self.profile, self.weights = worker, profile, weights
-        self.host, self.update = host, update
+        self.buckets, self.update = buckets, update
         self.pending: Pending | None = None  # the step submitted, until it lands
         self.phase = Phase.IDLE
 
@@ -67,7 +67,7 @@ class DelayedUpdate:
 
     def run(self, step: int, plan: StepPlan) -> None:
         """The host part of a step, its device part done: on the worker (:meth:`submit`)."""
-        self.weights.publish([stage.b for stage in self.host.resident])
+        self.weights.publish([bucket.b for bucket in self.buckets.device()])
         self.submit(step, plan)
 
     def submit(self, step: int, plan: StepPlan) -> None:
@@ -75,7 +75,7 @@ class DelayedUpdate:
         and writes the spare weights; the next backward fills the other set meanwhile."""
         assert self.worker is not None, "delayed update without a worker"
         assert self.weights.spare is not None, "delayed update without spare weights"
-        used = self.host.swap()
+        used = self.buckets.swap()
         push = self.weights.push(step, self.weights.spare)
         self.worker.submit(self.update.run, plan, push, False, used)
         self.pending, self.phase = Pending(step, push), Phase.RUNNING

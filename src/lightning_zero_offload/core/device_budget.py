@@ -17,6 +17,7 @@ import logging
 import torch
 
 from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.core.buckets import on_device as device_buckets
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.placement import device_count, host_fraction
@@ -27,25 +28,25 @@ logger = logging.getLogger(__name__)
 STATE_PARTS = ("optimizer state (device)", "gradients (device)")  # the device part's, in parts()
 
 
-def state(rule: type[Rule]) -> int:
+def state(rule: Rule) -> int:
     """Device bytes of one device-resident element's state: the fp32 master, the rule's."""
     return 4 + rule.device_bytes()
 
 
-def element_bytes(elem: int, accumulate: bool, rule: type[Rule]) -> int:
+def element_bytes(elem: int, accumulate: bool, rule: Rule) -> int:
     """Device bytes of one device-resident element: :func:`state`, a gradient in the compute
     dtype (``elem``), and an fp32 sum where the run can accumulate in a half dtype (an fp32
     gradient adds in place)."""
     return state(rule) + elem + (4 if accumulate and elem != 4 else 0)
 
 
-def bucket_bytes(shard: int, dtype: torch.dtype, accumulate: bool, rule: type[Rule]) -> int:
+def bucket_bytes(shard: int, dtype: torch.dtype, accumulate: bool, rule: Rule) -> int:
     """Device bytes of one device-resident bucket shard (:func:`element_bytes` each)."""
     return shard * element_bytes(torch.empty((), dtype=dtype).element_size(), accumulate, rule)
 
 
 def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, resident: int,
-          elem: int, delayed: bool, accumulate: bool, rule: type[Rule]) -> dict[str, int]:
+          elem: int, delayed: bool, accumulate: bool, rule: Rule) -> dict[str, int]:
     """Device bytes per part (none zero) of ``trained`` elements in ``elem``-byte weights,
     buckets of at most ``max_bucket`` elements (shards of ``max_shard``), ``resident`` of this
     rank's shard elements on the device; ``accumulate``: whether the run can accumulate."""
@@ -59,7 +60,7 @@ def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, res
 
 
 def engine_parts(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
-                 accumulate: bool, rule: type[Rule]) -> dict[str, int]:
+                 accumulate: bool, rule: Rule) -> dict[str, int]:
     """:func:`parts` of an engine over ``layout`` with its last ``on_device`` buckets' state on
     the device."""
     buckets = layout.buckets
@@ -67,22 +68,20 @@ def engine_parts(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed:
                  max_bucket=max((b.numel for b in buckets), default=0),
                  max_shard=max((b.shard for b in buckets), default=0),
                  world_size=layout.world_size,
-                 resident=sum(b.shard for b in buckets[len(buckets) - on_device:]
-                              if on_device),
+                 resident=sum(buckets[b].shard for b in device_buckets(layout, on_device)),
                  elem=torch.empty((), dtype=dtype).element_size(), delayed=delayed,
                  accumulate=accumulate, rule=rule)
 
 
 def state_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: bool,
-                rule: type[Rule]) -> int:
+                rule: Rule) -> int:
     """Device bytes of the trailing ``on_device`` buckets' state (:func:`bucket_bytes`)."""
-    n = len(layout.buckets)
-    return sum(bucket_bytes(b.shard, dtype, accumulate, rule)
-               for b in layout.buckets[n - on_device:] if on_device)
+    return sum(bucket_bytes(layout.buckets[b].shard, dtype, accumulate, rule)
+               for b in device_buckets(layout, on_device))
 
 
 def fixed_count(layout: Layout, fraction: float, dtype: torch.dtype, *, delayed: bool,
-                accumulate: bool, free: int | None, rule: type[Rule]) -> int:
+                accumulate: bool, free: int | None, rule: Rule) -> int:
     """The device buckets of a fixed ``offload_fraction`` (``placement.count_for``): the split
     nearest to it whose engine device bytes fit in ``free`` (None: no memory of its own)."""
     def fits(n: int) -> bool:
@@ -97,7 +96,7 @@ def _listed(p: dict[str, int]) -> str:
 
 def check_fixed(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
                 accumulate: bool, free: int | None, capacity: int | None, headroom: float,
-                fraction: float, rank: int, rule: type[Rule]) -> None:
+                fraction: float, rank: int, rule: Rule) -> None:
     """Setup, before any allocation, a fixed ``offload_fraction``: everything the engine will
     allocate on the device fits in its ``free`` bytes (None: no memory of its own), else
     MemoryError naming the smallest fraction that does; a device part that leaves less than

@@ -58,13 +58,14 @@ class ZeroOffload:
             self.device, self.tp, self.rule))
         self._dev, self._part, self._profile = o.dev, o.part, o.profile
         self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
+        self._buckets = o.buckets
         self._delayed, self._stepper = o.delayed, o.stepper
         self._timer = PassTimer(self._profile)
         self._hooks = setup.hook(module, self._cast_inputs, self._forward_started,
                                  self._zero_grad_with_module)
         self._calls, self._closed, self._readable = 0, False, False  # _calls: profile step no.
         self.optimizer = OffloadOptimizer(self, optimizer)
-        self._state = EngineState(self.layout, self.rank, self.process_group, self._host,
+        self._state = EngineState(self.layout, self.rank, self.process_group, self._buckets,
                                   self._weights, self._stepper, module, self.optimizer.param_groups,
                                   str(self.config.precision))
 
@@ -138,7 +139,7 @@ class ZeroOffload:
             self._stepper.step(self.optimizer.param_groups, self._calls, self.optimizer.hooked)
             self._state.saves.poll()  # an asynchronous save published once every rank wrote it
             if self._part.wants_move:  # "auto": once, after the first step
-                self._part.move(self._host, self._delayed, self._streamer)
+                self._part.move(self._buckets, self._delayed, self._streamer)
             # The caller's next work is compute-stream work: the emulated device's copies end here.
             self._dev.compute_point()
             return None if self.last_grad_norm is None else torch.tensor(self.last_grad_norm)
@@ -213,8 +214,7 @@ class ZeroOffload:
         """Collective: every step lands, ``load(source)`` fills the host state, then the weights."""
         self.gather_weights()
         load(source)
-        self._weights.push_all([self._host.shard(b).master
-                                for b in range(len(self.layout.buckets))])
+        self._weights.push_all([bucket.shard.master for bucket in self._buckets])
         self._dev.compute_point()
 
     def state_dict(self) -> dict:

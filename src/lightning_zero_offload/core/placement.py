@@ -1,10 +1,10 @@
-"""Where each bucket shard's optimizer state lives: the host, or the device (partial offload).
+"""How many buckets keep their optimizer state on the device (partial offload): the split.
 
 The buckets whose gradients arrive last in backward (the trailing ones of the layout's reduction
 order: the model's first layers, whose weights the next forward needs first, so their host round
 trip could never be hidden) stay on the device, whole buckets, so the device part is always a
-suffix of the buckets, and within each group a suffix of its host arrays: the host keeps a prefix
-of every group, at the offsets of the full layout. Shares are counted in trained elements (the
+suffix of the buckets (``core.buckets`` says which buckets a count puts there, and answers where
+each bucket lives). Shares are counted in trained elements (the
 fp32 master and both moments of one element are the same bytes wherever they live).
 
 A fixed ``offload_fraction`` runs at the whole-bucket split nearest to it (a tie: the one with more
@@ -15,12 +15,9 @@ themselves: all on the device, all on the host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable
 
 from lightning_zero_offload.core.layout import Layout
-
-T = TypeVar("T")
 
 _TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
 
@@ -81,18 +78,3 @@ def device_count(layout: Layout, fraction: float,
 def host_fraction(layout: Layout, on_device: int) -> float:
     """The resolved ``offload_fraction``: :func:`host_share` over the layout's buckets."""
     return host_share([b.shard for b in layout.buckets], on_device)
-
-
-def host_numel(layout: Layout, on_device: int) -> list[int]:
-    """Per group, the elements of the host's prefix (all but the device's trailing buckets)."""
-    out = [0] * len(layout.group_shard_numel)
-    for bucket in layout.buckets[: len(layout.buckets) - on_device]:
-        out[bucket.group] = max(out[bucket.group], bucket.host_offset + bucket.shard)
-    return out
-
-
-def where(layout: Layout, resident: Sequence[T], b: int) -> T | None:
-    """Where bucket ``b``'s state lives: its stage among the device's trailing ``resident``
-    ones, or None where the host holds it. The one place that answers it."""
-    first = len(layout.buckets) - len(resident)
-    return resident[b - first] if b >= first else None

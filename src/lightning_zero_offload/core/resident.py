@@ -1,5 +1,6 @@
-"""The device part of partial offload: how many trailing buckets keep their optimizer state on
-the device, their stages, and the one move ``offload_fraction="auto"`` makes after the first step.
+"""The device part of partial offload: how many buckets keep their optimizer state on the
+device (``core.buckets`` says which), and the one move ``offload_fraction="auto"`` makes after
+the first step.
 
 At setup a fixed fraction is placed as ``core.placement`` says (its device part checked against
 the device's free memory before anything is allocated); ``"auto"`` keeps on the device only what
@@ -23,23 +24,22 @@ import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core import collectives, device_budget, placement, ranks
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device import SyncDevice
-from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.preflight import check_host_memory
 from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.stage import DeviceStage
 
 logger = logging.getLogger(__name__)
 
 
 class DevicePart:
-    """Owns the count of device-resident buckets and makes their stages."""
+    """Owns the count of device-resident buckets and the host budget at it."""
 
     def __init__(self, layout: Layout, dev: SyncDevice, dtype: torch.dtype,
                  config: ZeroOffloadConfig, rank: int, group: object | None,
-                 budget: Callable[[int, bool | None], dict[str, int]], rule: type[Rule]
+                 budget: Callable[[int, bool | None], dict[str, int]], rule: Rule
                  ) -> None:
         """``budget(count, accumulate)``: the engine's host bytes per part at a count."""
         self.layout, self.dev, self.dtype, self.rank, self.group = layout, dev, dtype, rank, group
@@ -139,22 +139,6 @@ class DevicePart:
         """The host's lazy fp32 gradient (``nbytes``) exists from now on."""
         self.host_budget["grad_fp32"] = nbytes
 
-    def stages(self) -> list[DeviceStage]:
-        """Zeroed stages of the trailing ``count`` buckets (their master filled later)."""
-        return self._make(range(len(self.layout.buckets) - self.count, len(self.layout.buckets)))
-
-    def _make(self, buckets: range) -> list[DeviceStage]:
-        made: list[DeviceStage] = []
-        try:
-            for b in buckets:
-                made.append(DeviceStage(self.dev, b, self.layout.buckets[b].shard, self.dtype,
-                                        self.rule.STATE))
-        except BaseException:
-            for s in made:
-                s.free()
-            raise
-        return made
-
     def _check_agreed(self, own: int) -> None:
         """Collective with several ranks: the agreed count of a fixed fraction may keep more on
         this rank's host than its own choice (a peer's device took the split with more on the
@@ -190,7 +174,7 @@ class DevicePart:
         return self._pending_move
 
     @torch.no_grad()
-    def move(self, host: HostBuffers, delayed: Any, grads: Any) -> bool:
+    def move(self, buckets: Buckets, delayed: Any, grads: Any) -> bool:
         """Collective with several ranks; between steps. Once the delayed update (``delayed``)
         and the gradient streamer (``grads``) have nothing in flight, moves the next buckets'
         state onto the device as far as the measured peak allows, the host budget following;
@@ -200,14 +184,15 @@ class DevicePart:
         self.dev.synchronize()
         grads.buffers_replaced()  # its views of the host gradients go first
         self._pending_move = False
-        accumulating = host.grads.fp32 is not None
+        assert buckets.arrays is not None
+        accumulating = buckets.arrays.has_fp32_grads
         memory = self.dev.memory()
         assert memory is not None
         peak, capacity = memory
         room = (1.0 - self.headroom) * capacity - peak
-        n_host, more = len(self.layout.buckets) - self.count, 0
-        for b in range(n_host - 1, -1, -1):
-            need = device_budget.bucket_bytes(self.layout.buckets[b].shard, self.dtype,
+        candidates, more = buckets.next_to_device(), 0
+        for bucket in candidates:
+            need = device_budget.bucket_bytes(bucket.numel, self.dtype,
                                               accumulating or self.may_accumulate, self.rule)
             if need > room:
                 break
@@ -216,11 +201,9 @@ class DevicePart:
         more = self._reduce(more, dist.ReduceOp.MIN)
         if more == 0:
             return False
-        made: list[DeviceStage] = []
+        made: dict = {}
         try:
-            made = self._make(range(n_host - more, n_host))
-            for stage in made:
-                _take_state(stage, host)
+            made = buckets.made_for_device(sorted(bk.b for bk in candidates[:more]))
             ok = 1
         except torch.OutOfMemoryError as e:
             logger.warning("ZeroOffload: offload_fraction='auto' could not move %d more "
@@ -228,15 +211,14 @@ class DevicePart:
                            "as it was, at offload_fraction=%.4f", more, e, self.resolved)
             ok = 0
         if not self._reduce(ok, dist.ReduceOp.MIN):
-            for stage in made:
-                stage.free()
+            buckets.drop(made)
             if ok:
                 logger.warning("ZeroOffload: offload_fraction='auto': another rank could not "
                                "move its optimizer state onto the device; every rank goes on "
                                "as it was")
             return False
         try:
-            host.move_to_device(made, self.dev.release_host_cache)
+            buckets.to_device(made, self.dev.release_host_cache)
         except Exception as e:  # the host's arrays are half replaced: nothing to step from
             raise RuntimeError(
                 f"ZeroOffload: offload_fraction='auto' failed while moving {more} buckets' "
@@ -248,11 +230,3 @@ class DevicePart:
         logger.info("ZeroOffload: offload_fraction='auto' moved %d buckets onto the device; "
                     "offload_fraction is now %.4f", more, self.resolved)
         return True
-
-
-def _take_state(stage: DeviceStage, host: HostBuffers) -> None:
-    """``stage`` gets its bucket's master and moments from ``host``. A function of its own: the
-    host views die with it, since a view left in the caller would keep the host's whole old
-    arrays alive while ``move_to_device`` makes the shorter ones."""
-    shard = host.shard(stage.b)
-    stage.load(shard.master, shard.export_state())

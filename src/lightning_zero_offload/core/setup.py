@@ -1,10 +1,12 @@
 """Building an engine: one function per stage, in the order its memory requires.
 
 1. :func:`place`: the device part is chosen and checked (the host and device budgets, agreed
-   over the ranks) before anything is allocated; its stages are made on the device.
-2. :func:`fill`: the fp32 master of every bucket, written where it lives (host or device stage).
+   over the ranks) before anything is allocated; the bucket records are made
+   (``core.buckets``), the device buckets' memory with them.
+2. :func:`fill`: the host's master arrays, then the fp32 master of every bucket, loaded into
+   its shard wherever it lives.
 3. :func:`bind_weights`: the device weights take the parameters over; their fp32 storage goes,
-   so the host buffers that follow never coexist with a second fp32 copy.
+   so the host arrays that follow never coexist with a second fp32 copy.
 4. :func:`host_buffers`: the host's moments, gradients and staging, within the agreed budget.
 5. :func:`streamer`: gradients from backward into those buffers.
 6. :func:`stepper`: the host and device updates, the delayed update and the step that runs them.
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.core import ranks
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.device import SyncDevice
@@ -35,7 +38,6 @@ from lightning_zero_offload.core.master_fill import fill_master
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.resident import DevicePart
 from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.stage import DeviceStage
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.streaming import GradStreamer
 from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
@@ -86,6 +88,7 @@ class Owners:
     part: DevicePart
     profile: ProfileRecorder
     weights: DeviceWeights
+    buckets: Buckets
     host: HostBuffers
     streamer: GradStreamer
     worker: CpuStepWorker | None
@@ -106,24 +109,32 @@ def _sizing(w: Where, dev: SyncDevice) -> dict[str, Any]:
     """The host buffers' sizing arguments (the budget counts what they will allocate)."""
     c = w.config
     return dict(asynchronous=dev.asynchronous, delayed=c.delayed_update, pinned=w.pinned,
-                rule=type(w.rule), moment_dtype=c.moment_dtype, accumulate=c.accumulate)
+                rule=w.rule, moment_dtype=c.moment_dtype, accumulate=c.accumulate)
 
 
-def place(w: Where) -> tuple[SyncDevice, DevicePart, list[DeviceStage]]:
+def place(w: Where) -> tuple[SyncDevice, DevicePart, Buckets]:
     """Stage 1. Collective with several ranks (the setup checks agree). The device part owns
     the host budget (``DevicePart.host_budget``, its one writer) and the device's count."""
     dev = make_device(w.device, w.group, w.config.collective_timeout_s)
     budget = budget_at(w.layout, w.module, w.trained, w.dtype, **_sizing(w, dev),
                        cpu=w.device.type == "cpu" and dev.memory() is None)
-    part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget, type(w.rule))
+    part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget, w.rule)
     ranks.start(w.layout, w.module, w.group, w.device, w.tp, part.choose, w.config)
     part.agree()  # a lazy fp32 gradient adds its own later
-    return dev, part, part.stages()
+    buckets = Buckets(w.layout, w.rank, dev, w.dtype, w.rule, count=part.count,
+                      sets=2 if w.config.delayed_update else 1,
+                      align=shard_align(w.config.moment_dtype))
+    return dev, part, buckets
 
 
-def fill(w: Where, resident: list[DeviceStage]) -> list[torch.Tensor]:
-    """Stage 2: the host's fp32 master (the device stages' filled in place)."""
-    return fill_master(w.layout, w.rank, w.dtype, w.pinned, resident)
+def fill(w: Where, dev: SyncDevice, part: DevicePart, buckets: Buckets) -> HostBuffers:
+    """Stage 2: the host's master arrays (only they, as yet), then every bucket's master."""
+    host = HostBuffers(w.layout, w.dtype, rank=w.rank, **_sizing(w, dev),
+                       check_memory=w.config.check_host_memory, on_fp32=part.fp32_allocated,
+                       host=[bk.b for bk in buckets.host()])
+    buckets.attach(host)
+    fill_master(w.layout, w.rank, w.pinned, buckets)
+    return host
 
 
 def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceWeights:
@@ -132,35 +143,32 @@ def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceW
                          w.config.delayed_update, profile)
 
 
-def host_buffers(w: Where, dev: SyncDevice, master: list[torch.Tensor], part: DevicePart,
-                 resident: list[DeviceStage]) -> HostBuffers:
+def host_buffers(host: HostBuffers) -> None:
     """Stage 4."""
-    return HostBuffers(w.layout, w.dtype, rank=w.rank, master=master, **_sizing(w, dev),
-                       check_memory=w.config.check_host_memory, on_fp32=part.fp32_allocated,
-                       resident=resident)
+    host.allocate()
 
 
-def streamer(w: Where, host: HostBuffers, dev: SyncDevice,
+def streamer(w: Where, buckets: Buckets, dev: SyncDevice,
              profile: ProfileRecorder) -> GradStreamer:
     """Stage 5."""
-    return GradStreamer(w.layout, host, w.dtype, dev, w.rank, w.group, profile)
+    return GradStreamer(w.layout, buckets, w.dtype, dev, w.rank, w.group, profile)
 
 
-def stepper(w: Where, dev: SyncDevice, host: HostBuffers, grads: GradStreamer,
+def stepper(w: Where, dev: SyncDevice, buckets: Buckets, grads: GradStreamer,
             weights: DeviceWeights, profile: ProfileRecorder
             ) -> tuple[CpuStepWorker | None, DelayedUpdate, Stepper]:
     """Stage 6: the worker (delayed update or pinned cores), the updates and the step."""
     c = w.config
     cores, threads = c.cpu_affinity, step_threads(c, w.layout.world_size, w.device)
     worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores else None
-    update = HostUpdate(w.layout, host, rank=w.rank, threads=threads, seed=c.moment_seed,
+    update = HostUpdate(w.layout, buckets, threads=threads, seed=c.moment_seed,
                         asynchronous=dev.asynchronous, half=w.dtype != torch.float32,
                         profile=profile)
-    delayed = DelayedUpdate(worker, profile, weights, host, update)
-    on_device = DeviceUpdate(w.layout, host, rank=w.rank, profile=profile)
+    delayed = DelayedUpdate(worker, profile, weights, buckets, update)
+    on_device = DeviceUpdate(buckets, profile=profile)
     sync = SyncUpdate(update, worker, weights, profile)
-    step = Stepper(w.layout, grads, on_device, sync, delayed, c, rule=w.rule, rank=w.rank,
-                   process_group=w.group, device=w.device, profile=profile)
+    step = Stepper(w.layout, buckets, grads, on_device, sync, delayed, c, rule=w.rule,
+                   rank=w.rank, process_group=w.group, device=w.device, profile=profile)
     return worker, delayed, step
 
 
@@ -178,15 +186,14 @@ def hook(module: nn.Module, cast_inputs: Any, forward_started: Any, zero_grad: A
 
 def build(w: Where) -> Owners:
     """Every stage, in order."""
-    dev, part, resident = place(w)
-    master = fill(w, resident)
+    dev, part, buckets = place(w)
+    host = fill(w, dev, part, buckets)
     profile = ProfileRecorder()
     weights = bind_weights(w, dev, profile)
-    host = host_buffers(w, dev, master, part, resident)
-    del master  # the host buffers own it now
-    grads = streamer(w, host, dev, profile)
-    worker, delayed, step = stepper(w, dev, host, grads, weights, profile)
-    return Owners(dev, part, profile, weights, host, grads, worker, delayed, step)
+    host_buffers(host)
+    grads = streamer(w, buckets, dev, profile)
+    worker, delayed, step = stepper(w, dev, buckets, grads, weights, profile)
+    return Owners(dev, part, profile, weights, buckets, host, grads, worker, delayed, step)
 
 
 def release(o: Owners, hooks: list, module: nn.Module, *, drain: bool,
@@ -210,7 +217,7 @@ def release(o: Owners, hooks: list, module: nn.Module, *, drain: bool,
         error = e
     o.weights.free()
     if not keep_host:  # a kept state still gathers over the engine's group
-        o.host.free()
+        o.buckets.free()
         release_group()
     o.dev.close()  # after the host buffers: it empties the pinned-memory cache
     return error

@@ -1,13 +1,13 @@
 """One bucket shard's optimizer state, wherever it lives: the interface both owners keep.
 
 A bucket shard's fp32 master and the rule's state live on the host (:class:`HostShard`: views of
-``HostBuffers``' arrays, made once) or on the device (``stage.DeviceStage``, partial offload).
-Both answer the same questions, so the step, checkpoints, the auto move and the master fill ask
-the shard and never reach into it: :attr:`~Shard.master`; :meth:`~Shard.step` (the rule over the
-shard's runs); :meth:`~Shard.export` (one field as fp32 on the host) and :meth:`~Shard.export_state`
-(the rule's whole state so); :meth:`~Shard.own_fp32` (the shard's own fp32 state tensors, to
-write in place, where it has them); :meth:`~Shard.load` (fp32 master and state in). Which owner
-holds bucket ``b`` is ``placement.where``'s answer, asked once by ``HostBuffers.shard``.
+``core.host.HostBuffers``' arrays) or on the device (:class:`DeviceShard`, partial offload). Both
+answer the same questions, so the step, checkpoints, the auto move and the master fill ask the
+shard and never reach into it: :attr:`~Shard.master` (to read); :meth:`~Shard.step` (the rule
+over the shard's runs); :meth:`~Shard.export` (one field as fp32 on the host) and
+:meth:`~Shard.export_state` (the rule's whole state so); :meth:`~Shard.load` (master and state
+in: the only way anything writes a shard's tensors). Both sides' state is the rule's
+(``Rule.zeros``). Which bucket holds which shard is ``core.buckets``'s answer.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
+from lightning_zero_offload.core.device import SyncDevice
 from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.ops.moments import Moments
 
@@ -27,8 +29,9 @@ class Shard(Protocol):
     """Bucket ``b``'s shard of the fp32 master and of the rule's state."""
 
     b: int
-    resident: bool  # its state lives on the device
-    master: Tensor
+
+    @property
+    def master(self) -> Tensor: ...
 
     def step(self, rule: Rule, source: Tensor, hp: Any, runs: Sequence[Run], grad_scale: float,
              *, out: Tensor | None = None, threads: int = 1, seed: int = 0) -> None: ...
@@ -37,59 +40,161 @@ class Shard(Protocol):
 
     def export_state(self) -> tuple[Tensor, ...]: ...
 
-    def own_fp32(self) -> tuple[Tensor, ...] | None: ...
-
     def load(self, master: Tensor | None = None, state32: Sequence[Tensor] | None = None,
-             at: int = 0) -> None: ...
+             at: int = 0, *, state: Moments | None = None) -> None: ...
+
+    def tensors(self) -> list[Tensor]: ...
+
+    def free(self) -> None: ...
+
+
+class HostArrays(Protocol):
+    """What a host shard reads of ``core.host.HostBuffers``: per group the fp32 master and the
+    rule's state (empty before it is allocated)."""
+
+    master: list[Tensor]
+    moments: list[Moments]
 
 
 class HostShard:
-    """Bucket ``b``'s shard in host memory: views of the host's master and moments (compact or
-    fp32), the moments' stochastic rounding keyed by the elements' place in the whole model."""
+    """Bucket ``b``'s shard in host memory: elements ``[offset, offset + numel)`` of group
+    ``group``'s host arrays, read from them when used (the host may replace its arrays: the
+    auto move), the moments' stochastic rounding keyed by ``base``, the elements' place in the
+    whole model."""
 
-    resident = False
+    def __init__(self, arrays: HostArrays, b: int, group: int, offset: int, numel: int,
+                 base: int, rule: Rule) -> None:
+        self._arrays, self.b, self.rule = arrays, b, rule
+        self._where, self._base = (group, offset, numel), base
 
-    def __init__(self, b: int, master: Tensor, moments: Moments, rule: type[Rule]) -> None:
-        self.b, self.master, self.moments, self.rule = b, master, moments, rule
+    @property
+    def master(self) -> Tensor:
+        g, a, n = self._where
+        return self._arrays.master[g][a : a + n]
+
+    @property
+    def _moments(self) -> Moments:
+        g, a, n = self._where
+        return self._arrays.moments[g].chunk(a, n).at(self._base)
 
     def step(self, rule: Rule, source: Tensor, hp: Any, runs: Sequence[Run], grad_scale: float,
              *, out: Tensor | None = None, threads: int = 1, seed: int = 0) -> None:
         """The rule's kernel over each run (the ranges between runs left as they are; their half
         weights in ``out``, which may hold stale ones, are the master's again)."""
-        done = 0
+        done, master, moments = 0, self.master, self._moments
         for begin, end, k in runs:
-            self._untouched(out, done, begin)
+            self._untouched(out, master, done, begin)
             sl = slice(begin, end)
-            rule.host_update(self.master[sl], source[sl], self.moments.chunk(begin, end - begin),
+            rule.host_update(master[sl], source[sl], moments.chunk(begin, end - begin),
                              hp, step=k, grad_scale=grad_scale,
                              out=None if out is None else out[sl], threads=threads, seed=seed)
             done = end
-        self._untouched(out, done, self.master.numel())
+        self._untouched(out, master, done, master.numel())
 
-    def _untouched(self, out: Tensor | None, begin: int, end: int) -> None:
+    @staticmethod
+    def _untouched(out: Tensor | None, master: Tensor, begin: int, end: int) -> None:
         if out is not None and begin < end:
-            out[begin:end].copy_(self.master[begin:end])
+            out[begin:end].copy_(master[begin:end])
 
     def export(self, kind: str) -> Tensor:
         if kind == "master":
             return self.master
-        mom = self.moments
-        return getattr(mom, kind) if mom.moment_dtype == "fp32" else self.export_state()[
+        mom = self._moments
+        return mom.arrays[kind] if mom.moment_dtype == "fp32" else self.export_state()[
             mom.names.index(kind)]
 
     def export_state(self) -> tuple[Tensor, ...]:
-        return self.moments.to_fp32()
-
-    def own_fp32(self) -> tuple[Tensor, ...] | None:
-        mom = self.moments
-        return tuple(mom.arrays.values()) if mom.moment_dtype == "fp32" else None
+        return self._moments.to_fp32()
 
     def load(self, master: Tensor | None = None, state32: Sequence[Tensor] | None = None,
-             at: int = 0) -> None:
-        """fp32 ``master`` and ``state32`` (the rule's order) from element ``at`` on; compact
-        moments round to nearest (the stochastic rounding is the kernel's, per step)."""
+             at: int = 0, *, state: Moments | None = None) -> None:
+        """fp32 ``master`` and ``state32`` (the rule's order), or the rule's ``state`` in any
+        moment format (its own copied exactly), from element ``at`` on; fp32 into compact
+        moments rounds to nearest (the stochastic rounding is the kernel's, per step)."""
         if master is not None:
             self.master[at : at + master.numel()].copy_(master)
-        if state32 is not None:
+        if state is None and state32 is None:
+            return
+        mine = self._moments
+        if state is not None and state.moment_dtype == mine.moment_dtype:
+            mine.chunk(at, state.numel).copy_(state)
+            return
+        if state is not None:
+            state32 = state.to_fp32()
+        if state32:  # a rule with no state (SGD without momentum) has nothing to load
             n = state32[0].numel()
-            self.moments.chunk(at, n).copy_(self.rule.from_fp32(state32, self.moments.moment_dtype))
+            mine.chunk(at, n).copy_(self.rule.from_fp32(state32, mine.moment_dtype))
+
+    def tensors(self) -> list[Tensor]:
+        """Device memory it holds: none."""
+        return []
+
+    def free(self) -> None:
+        """Nothing to give back: the host arrays are ``core.host``'s."""
+
+
+class DeviceShard:
+    """Bucket ``b``'s shard kept on the device: its fp32 master and the rule's state there, in
+    fp32 whatever ``moment_dtype`` (the rule's arrays, ``Rule.zeros``, each allocated on the
+    device; its device update runs torch ops over them)."""
+
+    def __init__(self, dev: SyncDevice, b: int, numel: int, rule: Rule) -> None:
+        self.dev, self.b = dev, b
+        shape = rule.zeros(0, "fp32")  # the rule's arrays (names, dtypes), none of its memory
+        made: list[Tensor] = []
+        try:  # an allocation that fails frees the ones before it
+            for what, dtype in (("master weights", torch.float32),
+                                *((name, t.dtype) for name, t in shape.arrays.items())):
+                made.append(dev.zeros(numel, dtype, f"device-resident {what}"))
+                dev.track(made[-1], f"device-resident {what}")  # named by the race detector
+        except BaseException:
+            for t in made:
+                dev.free(t)
+            raise
+        self.names = tuple(shape.arrays)
+        self._master, self._state = made[0], made[1:]
+
+    @property
+    def master(self) -> Tensor:
+        return self._master
+
+    def tensors(self) -> list[Tensor]:
+        return [self._master, *self._state]
+
+    def step(self, rule: Rule, source: Tensor, hp: Any, runs: Sequence[Run], grad_scale: float,
+             *, out: Tensor | None = None, threads: int = 1, seed: int = 0) -> None:
+        """The rule's device update over each run, on the compute stream (torch ops: no host
+        threads, no seed; the caller casts the new weights from :attr:`master`, no ``out``)."""
+        assert out is None, "the device part's weights are cast from its master"
+        for begin, end, k in runs:
+            sl = slice(begin, end)
+            rule.device_update(self._master[sl], source[sl], [t[sl] for t in self._state], hp,
+                               step=k, grad_scale=grad_scale)
+
+    def export(self, kind: str) -> Tensor:
+        """``"master"`` or one of the rule's state tensors by its name, on the host."""
+        return (self._master if kind == "master" else
+                self._state[self.names.index(kind)]).cpu()
+
+    def export_state(self) -> tuple[Tensor, ...]:
+        return tuple(t.cpu() for t in self._state)
+
+    def load(self, master: Tensor | None = None, state32: Sequence[Tensor] | None = None,
+             at: int = 0, *, state: Moments | None = None) -> None:
+        """fp32 ``master`` and ``state32`` (the rule's order), or ``state`` in any moment format
+        (kept in fp32 here), from element ``at`` on."""
+        if master is not None:
+            self._master[at : at + master.numel()].copy_(master)
+        if state is not None:
+            state32 = state.to_fp32()
+        if state32 is not None:
+            for t, value in zip(self._state, state32, strict=True):
+                t[at : at + value.numel()].copy_(value)
+
+    def free(self) -> None:
+        """Give the device memory back: nothing of it stays referenced (a bucket, or an engine
+        kept alive, still points at this shard)."""
+        for t in self.tensors():
+            self.dev.free(t)
+        empty = self._master.new_empty(0)
+        self._master, self._state = empty, [empty for _ in self._state]

@@ -1,49 +1,66 @@
-"""One bucket shard's optimizer-side life in host memory: :class:`HostStage`.
+"""A bucket's gradient side: where its reduced shard lands between backward and the step.
 
-A stage is the only owner of what happens to its bucket shard between backward and the next
-forward: where the shard lands (the staging slice on an asynchronous device, the fp32 gradient
-on the CPU), the fp32 gradient slice it is folded into when micro-batches accumulate, the event
-of the device-to-host copy that filled the staging slice, and the event of the host-to-device
-copy that reads the new weights the kernel wrote over it (rule 6 of ``core.device``: the next
-copy into the slice waits for that one). The streamer hands shards to stages (:meth:`receive`,
-:meth:`copy_in`, :meth:`fold_previous`), the step asks a stage for the kernel's source
-(:meth:`source`) and for where the kernel writes the half weights (:meth:`weights_out`), and
-tells it which copy reads them (:meth:`weights_read_by`); nobody else touches its fields.
+A side is the only owner of what happens to its bucket's gradient between backward and the next
+forward. :class:`HostGradSide` (a bucket whose state is on the host, one per gradient set): where
+the shard lands (the staging slice on an asynchronous device, the fp32 gradient on the CPU), the
+fp32 gradient slice it is folded into when micro-batches accumulate, the event of the
+device-to-host copy that filled the staging slice, and the event of the host-to-device copy that
+reads the new weights the kernel wrote over it (rule 6 of ``core.device``: the next copy into
+the slice waits for that one). :class:`DeviceGradSide` (a bucket whose state is on the device,
+``core.placement``; both gradient sets share it, since the device part steps at once): the
+reduced gradient on the device, filled on the same side stream, never crossing to the host.
 
-The memory itself (pinned arena blocks, fp32 arrays per group) is allocated and budgeted by
-``core.host``; a stage holds views of its bucket's slices, given by its gradient set.
-:class:`DeviceStage` is its sibling for a bucket whose optimizer state is kept on the device
-(``core.placement``): it holds that state (fp32 master and moments) and the bucket's reduced
-gradient there, filled on the same side stream, and never crosses to the host; it is also that
-bucket's ``core.shard.Shard`` (the host's is ``shard.HostShard``).
+Both answer the same calls: the streamer hands shards to a side (:meth:`receive`,
+:meth:`copy_in`, :meth:`fold_previous` where a flush is still in staging, :meth:`wait_filled`,
+:meth:`reset`), the step asks it for the kernel's source (:meth:`source`) and, on the host, for
+where the kernel writes the half weights (:meth:`weights_out`) and tells it which copy reads them
+(:meth:`weights_read_by`). A bucket (``core.buckets``) holds its sides; nobody else touches their
+fields. The host memory itself (pinned arena blocks, fp32 arrays per group) is allocated and
+budgeted by ``core.host``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.device import Event, SyncDevice
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.shard import Run
 
 
-class HostStage:
-    """Bucket ``b``'s shard in one host gradient set (two sets under delayed update): views of
-    the set's staging slice (asynchronous device) and fp32 gradient (once allocated), held from
-    the set's making and allocation on."""
+class HostArrays(Protocol):
+    """What a host side reads of ``core.host.HostBuffers``: per gradient set, the staging slice
+    of each host bucket (None on a synchronous device) and the fp32 gradient per group (None
+    until allocated)."""
 
-    resident = False  # its optimizer state lives on the host
+    staging: list[dict[int, Tensor] | None]
+    fp32: list[list[Tensor] | None]
 
-    def __init__(self, b: int, staging: Tensor | None) -> None:
-        self.b, self.staging = b, staging
-        self.fp32: Tensor | None = None  # set by the gradient set's allocation
+
+class HostGradSide:
+    """Bucket ``b``'s gradient in host gradient set ``gset`` (two sets under delayed update):
+    its staging slice (asynchronous device) and its slice of the fp32 gradient (once
+    allocated), read from the host arrays (``core.host``) when used, so it never holds a view
+    of arrays the host has replaced or freed."""
+
+    def __init__(self, arrays: HostArrays, gset: int, b: int, group: int, offset: int,
+                 numel: int) -> None:
+        self._arrays, self._set, self.b = arrays, gset, b
+        self._where = (group, offset, offset + numel)
         self._filled: Event | None = None  # the latest device-to-host copy into staging
         self._read_by: Event | None = None  # the copy reading the weights out of staging
         self._moved = 0  # flushes folded into the fp32 gradient since reset
+
+    # A later flush first moves the previous one from staging into the fp32 gradient, on a host
+    # task (adding on the autograd thread would starve the device).
+    folds_on_host = True
+
+    def landing(self) -> Tensor | None:
+        """Where a first flush may be written directly instead of a device buffer (the CPU
+        with one rank): the fp32 gradient."""
+        return self.fp32_grad()
 
     # -- the streamer's side -------------------------------------------------------------------
     def receive(self, shard: Tensor, first: bool) -> bool:
@@ -115,13 +132,23 @@ class HostStage:
 
     def fp32_grad(self) -> Tensor:
         """The fp32 gradient slice (allocated when the run accumulates, or on the CPU)."""
-        if self.fp32 is None:
+        fp32 = self._arrays.fp32[self._set]
+        if fp32 is None:
             raise RuntimeError("ZeroOffload internal error: fp32 gradient used before allocation")
-        return self.fp32
+        g, lo, hi = self._where
+        return fp32[g][lo:hi]
 
     def _staging(self) -> Tensor:
-        assert self.staging is not None, "staging on a synchronous device"
-        return self.staging
+        staging = self._arrays.staging[self._set]
+        assert staging is not None, "staging on a synchronous device"
+        return staging[self.b]
+
+    def tensors(self) -> list[Tensor]:
+        """Device memory it holds: none (its buffers are the host arrays')."""
+        return []
+
+    def free(self) -> None:
+        """Nothing to give back: the host arrays are ``core.host``'s."""
 
     def weights_read_by(self, event: Event | None) -> None:
         """The weights written over staging are read by the copy ending at ``event``."""
@@ -132,77 +159,34 @@ class HostStage:
         return reader
 
 
-class DeviceStage:
-    """Bucket ``b``'s shard kept on the device: its fp32 master and the rule's state (fp32, in
-    the order of the rule's ``names``: :attr:`state`), and its reduced
-    gradient (compute dtype after one flush; fp32, allocated at the first flush that adds, when
-    micro-batches accumulate). Both gradient sets share it: the device part steps at once, also
-    under delayed update. Every write is queued on the stream the streamer gives (after the
-    reduce-scatter), and :meth:`wait_filled` orders the compute stream after the last one."""
+class DeviceGradSide:
+    """Bucket ``b``'s reduced gradient kept on the device (compute dtype after one flush; fp32,
+    allocated at the first flush that adds, when micro-batches accumulate). Every write is
+    queued on the stream the streamer gives (after the reduce-scatter), and
+    :meth:`wait_filled` orders the compute stream after the last one."""
 
-    resident = True
-
-    def __init__(self, dev: SyncDevice, b: int, shard: int, dtype: torch.dtype,
-                 names: tuple[str, ...]) -> None:
-        self.dev, self.b, self.names = dev, b, names
-        made: list[Tensor] = []
-        try:  # an allocation that fails frees the ones before it
-            for what, dt in (("master weights", torch.float32),
-                             *((name, torch.float32) for name in names),
-                             ("gradient", dtype)):
-                made.append(dev.zeros(shard, dt, f"device-resident {what}"))
-                dev.track(made[-1], f"device-resident {what}")  # named by the race detector
-        except BaseException:
-            for t in made:
-                dev.free(t)
-            raise
-        self.master, self._grad, self.state = made[0], made[-1], made[1:-1]
+    def __init__(self, dev: SyncDevice, b: int, numel: int, dtype: torch.dtype) -> None:
+        self.dev, self.b = dev, b
+        self._grad = dev.zeros(numel, dtype, "device-resident gradient")
+        dev.track(self._grad, "device-resident gradient")  # named by the race detector
         self._fp32: Tensor | None = None  # the sum over flushes, where they accumulate
         self._filled: Event | None = None
         self._flushes = 0
 
+    folds_on_host = False  # every flush adds on the stream
+
+    def landing(self) -> Tensor | None:
+        """None: a bucket is always reduced into a device buffer first."""
+        return None
+
     def tensors(self) -> list[Tensor]:
-        return [t for t in (self.master, *self.state, self._grad, self._fp32) if t is not None]
-
-    # -- the shard's side (``core.shard.Shard``) ----------------------------------------------
-    def step(self, rule: Rule, source: Tensor, hp: Any, runs: Sequence[Run], grad_scale: float,
-             *, out: Tensor | None = None, threads: int = 1, seed: int = 0) -> None:
-        """The rule's device update over each run, on the compute stream (torch ops: no host
-        threads, no seed; the caller casts the new weights from :attr:`master`, no ``out``)."""
-        assert out is None, "the device part's weights are cast from its master"
-        for begin, end, k in runs:
-            sl = slice(begin, end)
-            rule.device_update(self.master[sl], source[sl], [t[sl] for t in self.state], hp,
-                               step=k, grad_scale=grad_scale)
-
-    def export(self, kind: str) -> Tensor:
-        """``"master"`` or one of the rule's state tensors by its name, on the host."""
-        return (self.master if kind == "master" else self.state[self.names.index(kind)]).cpu()
-
-    def export_state(self) -> tuple[Tensor, ...]:
-        return tuple(t.cpu() for t in self.state)
-
-    def own_fp32(self) -> tuple[Tensor, ...] | None:
-        """The state tensors themselves where they are host memory (the CPU compute device)."""
-        return tuple(self.state) if self.master.device.type == "cpu" else None
-
-    def load(self, master: Tensor | None = None, state32: Sequence[Tensor] | None = None,
-             at: int = 0) -> None:
-        """fp32 ``master`` and ``state32`` (the rule's order) from element ``at`` on."""
-        if master is not None:
-            self.master[at : at + master.numel()].copy_(master)
-        if state32 is not None:
-            for t, value in zip(self.state, state32, strict=True):
-                t[at : at + value.numel()].copy_(value)
+        return [t for t in (self._grad, self._fp32) if t is not None]
 
     def free(self) -> None:
-        """Give the device memory back: nothing of it stays referenced (a gradient set, or an
-        engine kept alive, still points at this stage)."""
+        """Give the device memory back (nothing of it stays referenced)."""
         for t in self.tensors():
             self.dev.free(t)
-        empty = self.master.new_empty(0)
-        self.master, self._grad, self.state = empty, empty, [empty for _ in self.state]
-        self._fp32 = self._filled = None
+        self._grad, self._fp32, self._filled = self._grad.new_empty(0), None, None
 
     # -- the streamer's side -------------------------------------------------------------------
     def _add(self, shard: Tensor) -> None:
@@ -233,6 +217,9 @@ class DeviceStage:
         then()
         end = self._filled = dev.record(stream)
         return end
+
+    def fold_previous(self, dev: SyncDevice) -> None:
+        """Nothing waits in staging: every flush adds on the stream."""
 
     def wait_filled(self) -> None:
         """Compute work from here on (the step) runs after the last write into the gradient."""

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core.buckets import Bucket, Buckets
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.delayed import DelayedUpdate
 from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.layout import Layout, shard_align
+from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.scaler import DynamicLossScaler
@@ -39,23 +40,6 @@ def _no_hooks(update: Callable[[], None]) -> None:
     update()
 
 
-def _pieces(layout: Layout, rank: int, align: int) -> list[list[tuple[int, int, int]]]:
-    """Per bucket, ``(slot, begin, end)`` of every parameter on this rank's shard of it, in
-    offset order, relative to the shard; ``end`` includes the padding up to the next multiple of
-    ``align`` (parameters start on one; int8 moments cut only at block boundaries)."""
-    out: list[list[tuple[int, int, int]]] = []
-    for bucket in layout.buckets:
-        a, z = bucket.shard_range(rank)
-        mine = []
-        for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
-            s = layout.slots[i]
-            lo, hi = max(s.offset, a), min(s.offset + s.numel, z)
-            if lo < hi:
-                mine.append((i, lo - a, min(-(-hi // align) * align, z) - a))
-        out.append(mine)
-    return out
-
-
 def clip_coef(max_norm: float, norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_``'s coefficient (NaN stays NaN, as there)."""
     coef = max_norm / (norm + 1e-6)
@@ -65,17 +49,17 @@ def clip_coef(max_norm: float, norm: float) -> float:
 class Stepper:
     """Owns the step counts, the pending clip coefficient and the fp16 loss scaler."""
 
-    def __init__(self, layout: Layout, streamer: GradStreamer, device_update: DeviceUpdate,
+    def __init__(self, layout: Layout, buckets: Buckets, streamer: GradStreamer,
+                 device_update: DeviceUpdate,
                  sync: SyncUpdate, delayed: DelayedUpdate, config: ZeroOffloadConfig, *,
                  rule: Rule, rank: int, process_group: object | None,
                  device: torch.device, profile: ProfileRecorder) -> None:
-        self.layout, self.streamer = layout, streamer
+        self.layout, self.buckets, self.streamer = layout, buckets, streamer
         self.device_update, self.sync, self.delayed = device_update, sync, delayed  # the parts
         self.config, self.rule, self.rank, self.group = config, rule, rank, process_group
         self.world_size, self.device, self.profile = layout.world_size, device, profile
         self.steps = [0] * len(layout.group_numel)  # steps taken, per group
         self.param_steps = [0] * len(layout.slots)  # steps with a gradient, per parameter
-        self._pieces = _pieces(layout, rank, shard_align(config.moment_dtype))
         self.scaler = (DynamicLossScaler(config.initial_loss_scale,
                                          config.loss_scale_growth_interval)
                        if config.precision == "16-mixed" else None)
@@ -160,7 +144,7 @@ class Stepper:
             self.steps[g] += 1
         hparams = [self.rule.hyper(group) for group in param_groups]
         return StepPlan(self.rule, coef / (self.world_size * scale), hparams,
-                        [self._runs(b, had) for b in range(len(self.layout.buckets))], grads)
+                        [self._runs(bucket, had) for bucket in self.buckets], grads)
 
     def _had_grad(self, grads: Grads) -> list[bool]:
         """Per parameter, whether a gradient arrived on any rank since ``zero_grad`` (a
@@ -174,24 +158,24 @@ class Stepper:
                                "all-reduce of which parameters got a gradient")
         return [bool(f) for f in flags.tolist()]
 
-    def _runs(self, b: int, had: list[bool]) -> list[Run]:
-        """Bucket ``b``'s shard as kernel calls: maximal ranges of adjacent parameters that got
+    def _runs(self, bucket: Bucket, had: list[bool]) -> list[Run]:
+        """``bucket``'s shard as kernel calls: maximal ranges of adjacent parameters that got
         a gradient and share a step count (the whole shard, padding too, in the usual case)."""
         runs: list[Run] = []
         adjacent = False
-        for i, lo, hi in self._pieces[b]:
-            if not had[i]:
+        pieces = bucket.pieces
+        for piece in pieces:
+            if not had[piece.slot]:
                 adjacent = False
                 continue
-            step = self.param_steps[i]
+            step = self.param_steps[piece.slot]
             if adjacent and runs[-1][2] == step:
-                runs[-1] = (runs[-1][0], hi, step)
+                runs[-1] = (runs[-1][0], piece.end, step)
             else:
-                runs.append((lo, hi, step))
+                runs.append((piece.begin, piece.end, step))
             adjacent = True
-        pieces = self._pieces[b]
-        if len(runs) == 1 and runs[0][:2] == (pieces[0][1], pieces[-1][2]):  # every piece
-            runs = [(0, self.layout.buckets[b].shard, runs[0][2])]
+        if len(runs) == 1 and runs[0][:2] == (pieces[0].begin, pieces[-1].end):  # every piece
+            runs = [(0, bucket.numel, runs[0][2])]
         return runs
 
     # -- the step ---------------------------------------------------------------------------

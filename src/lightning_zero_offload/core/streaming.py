@@ -3,8 +3,9 @@
 A post-accumulate-grad hook copies each gradient into its bucket's device buffer (a ring,
 ``core.ring``) and drops ``param.grad``. A complete bucket (and every one before it) is
 reduce-scattered (summed; DDP's 1/N is folded into the step's gradient scale), its shard's sum of
-squares taken on the device, and the shard copied into ``core.host.HostBuffers``: on an
-asynchronous device by a side stream into the bucket's staging slice, which the kernel reads.
+squares taken on the device, and the shard handed to the bucket's gradient side
+(``bucket.grad(set)``, ``core.buckets``): on an asynchronous device copied by a side stream into
+the bucket's staging slice, which the kernel reads (or added into its device gradient).
 When micro-batches accumulate, a host task moves the previous flush into the fp32 gradient.
 """
 
@@ -19,13 +20,12 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core import collectives, tensor_parallel
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.device import Event, SyncDevice
 from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, Slot
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.ring import BucketRing
-from lightning_zero_offload.core.stage import HostStage
 
 
 def _sq_sum(shard: Tensor) -> Tensor:
@@ -71,9 +71,9 @@ def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
 
 
 class GradStreamer:
-    def __init__(self, layout: Layout, host: HostBuffers, dtype: torch.dtype, dev: SyncDevice,
+    def __init__(self, layout: Layout, buckets: Buckets, dtype: torch.dtype, dev: SyncDevice,
                  rank: int, process_group: object | None, profile: ProfileRecorder) -> None:
-        self.layout, self.host, self.dtype, self.dev = layout, host, dtype, dev
+        self.layout, self.buckets, self.dtype, self.dev = layout, buckets, dtype, dev
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
         self._local = False  # inside no_sync(): backward passes keep gradients on the device
@@ -131,7 +131,7 @@ class GradStreamer:
         failed pass is forgotten (:meth:`discard`)."""
         self._pass = Pass.SYNC if sync and not self._local else Pass.LOCAL
         if self._pass is Pass.SYNC and self.will_accumulate():
-            self.host.need_fp32_grads()  # a flush adds to an earlier one: allocated once
+            self.buckets.need_fp32_grads()  # a flush adds to an earlier one: allocated once
         try:
             yield
         except BaseException:
@@ -188,9 +188,10 @@ class GradStreamer:
         """Bucket ``b``'s buffer, contents undefined (all written or zeroed before the flush); on
         the CPU with one rank the first flush lands in the fp32 host gradient (saving a copy)."""
         numel = self.layout.buckets[b].numel
-        stage = self.host.grads.stages[b]
-        if self._direct and self.flushes[b] == 0 and isinstance(stage, HostStage):
-            return stage.fp32_grad()
+        if self._direct and self.flushes[b] == 0:
+            landing = self.buckets[b].grad(self.buckets.filling).landing()
+            if landing is not None:
+                return landing
         if not self.dev.asynchronous:
             return self.dev.empty(numel, self.dtype)
         return self._ring.take(b, numel)
@@ -264,7 +265,7 @@ class GradStreamer:
         if shard is not buf:
             collectives.reduce_scatter(shard, buf, self.group)
         self.stats.append(_sq_sum(shard))
-        if self.host.grads.stages[b].receive(shard, first):
+        if self.buckets[b].grad(self.buckets.filling).receive(shard, first):
             self.dev.release(buf, None)
             if shard is not buf:
                 self.dev.release(shard, None)
@@ -291,7 +292,7 @@ class GradStreamer:
             if not ring:
                 dev.release(buf, reducing)
         self.stats.append(stat)
-        stage = self.host.grads.stages[b]
+        side = self.buckets[b].grad(self.buckets.filling)
         self._filling.add(b)
 
         def release() -> None:  # a ring slot (bucket and shard) is free once the copy ends
@@ -299,11 +300,11 @@ class GradStreamer:
                 dev.release(shard, stream)
 
         def copy_in() -> Event:
-            end = stage.copy_in(dev, stream, shard, release)
+            end = side.copy_in(dev, stream, shard, release)
             self.profile.add_device("grad_transfer", step, begin[0], begin[1], end)
             return end
 
-        if first or not isinstance(stage, HostStage):  # a device stage adds on the stream
+        if first or not side.folds_on_host:  # a device side adds on the stream
             end = copy_in()
             self._ring.flushed(b, lambda: end)
             return
@@ -311,10 +312,10 @@ class GradStreamer:
         # task (waiting for its copy and adding on the autograd thread would starve the device).
         # Host tasks run one at a time in submission order, so this bucket's previous task (and
         # with it the copy it queued) is done when this one starts.
-        self.host.need_fp32_grads()  # normally done by backward_pass, before autograd
+        self.buckets.need_fp32_grads()  # normally done by backward_pass, before autograd
 
         def move_then_copy() -> Event:
-            stage.fold_previous(dev)
+            side.fold_previous(dev)
             return copy_in()
         task = self._tasks[b] = dev.host_task(move_then_copy)
         self._ring.flushed(b, task.result)  # reuse waits until the task queued the copy
@@ -330,9 +331,9 @@ class GradStreamer:
             task, self._tasks[b] = self._tasks[b], None
             if task is not None:
                 task.result()
-        stages = self.host.grads.stages
+        filling = self.buckets.filling
         for b in sorted(self._filling):
-            stages[b].wait_filled()
+            self.buckets[b].grad(filling).wait_filled()
         self._filling.clear()
 
     def finish(self, next_step: int | None = None) -> Grads | None:
@@ -356,10 +357,8 @@ class GradStreamer:
             return None
         if self._grads is None:
             exact = self.stats and all(f == 1 for f in self.flushes)
-            self._grads = Grads([stage.source(self.dev, self.flushes[b])
-                                 for b, stage in enumerate(self.host.grads.stages)],
-                                list(self.had_grad), list(self.stats) if exact else None,
-                                self.dev)
+            self._grads = Grads(self.buckets.sources(self.flushes), list(self.had_grad),
+                                list(self.stats) if exact else None, self.dev)
         return self._grads
 
     def buffers_replaced(self) -> None:
@@ -375,7 +374,7 @@ class GradStreamer:
         self.flushes = [0] * len(self.flushes)
         if set_to_none:
             self.had_grad = [False] * len(self.had_grad)
-        self.host.reset_stages()
+        self.buckets.reset()
         self.stats = []
         self._grads = None
         for s in self.layout.slots:

@@ -5,7 +5,7 @@ shard, the rule's kernel over its runs (ranges cut where parameters skip), each 
 new weights queued on the step's ``WeightPush`` while the next computes. It runs on the caller's
 thread or on the core-bound worker (:class:`SyncUpdate`), or (delayed update) on the worker into
 the spare weights; it issues a collective (``push.gather``) only when told it is on the caller's
-thread. With half
+thread. It walks the host buckets (``core.buckets``), each stepped by its own shard. With half
 weights on an asynchronous device the kernel writes them over the bucket's staging slice (in
 place over the half gradient it reads, or over the staging already folded into the fp32
 gradient) and the copy reads them there; on the CPU they go straight into the weights (one rank)
@@ -20,13 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.host import GradSet, HostBuffers
 from lightning_zero_offload.core.layout import Layout
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.rule import Rule
 from lightning_zero_offload.core.shard import Run
-from lightning_zero_offload.core.stage import HostStage
 from lightning_zero_offload.core.threads import CpuStepWorker
 from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
 
@@ -43,13 +42,12 @@ class StepPlan:
 
 
 class HostUpdate:
-    """The rule's host implementation over this rank's shard; owns no state of its own."""
+    """The rule's host implementation over the host buckets; owns no state of its own."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, *, rank: int, threads: int, seed: int,
+    def __init__(self, layout: Layout, buckets: Buckets, *, threads: int, seed: int,
                  asynchronous: bool, half: bool, profile: ProfileRecorder) -> None:
-        self.layout, self.host, self.rank = layout, host, rank
+        self.layout, self.buckets = layout, buckets
         self.threads, self.seed, self.profile = threads, seed, profile
-        self._ranges = [bucket.shard_range(rank) for bucket in layout.buckets]
         # Where the kernel writes the half weights: into the device's own (the CPU, one rank),
         # or over the staging slice the copy reads (an asynchronous device); else the copies
         # cast them from the master.
@@ -57,41 +55,38 @@ class HostUpdate:
         self.staged_out = half and asynchronous
 
     def run(self, plan: StepPlan, push: WeightPush, gather: bool,
-            gset: GradSet | None = None) -> None:
-        """The kernel over every bucket shard into ``push.target`` (the live weights, or the
-        spare ones on the delayed worker); ``gather``: all-gather each bucket as it is done
+            gset: int | None = None) -> None:
+        """The kernel over every host bucket shard into ``push.target`` (the live weights, or
+        the spare ones on the delayed worker); ``gather``: all-gather each bucket as it is done
         (only on the caller's thread); ``gset``: the gradient set the plan's gradients came
-        from (the current one unless the delayed update swapped it out)."""
-        gset = gset if gset is not None else self.host.grads
+        from (the one backward fills unless the delayed update swapped it out). The device
+        buckets are stepped on the device (``DeviceUpdate``) and gathered by the push's finish."""
+        gset = gset if gset is not None else self.buckets.filling
         sources = plan.grads.sources
         gather = gather and self.layout.world_size > 1  # one rank: nothing to gather
         k = push.step
         assert k is not None, "a kernel push has a profile step"
         push.wait_sources()  # the last push's copies have read the buffers rewritten here
+        host = self.buckets.host()
         with self.profile.span("cpu_step", k):
-            for b, shard in enumerate(self.host.shards()):
-                stage = gset.stages[b]
-                if shard.resident:  # stepped on the device (DeviceUpdate), gathered by the
-                    break  # push's finish: the device part is the trailing buckets
-                assert isinstance(stage, HostStage)
-                lo, hi = self._ranges[b]
-                out = (push.target[self.layout.buckets[b].group][lo:hi] if self.out_direct
-                       else stage.weights_out() if self.staged_out else None)
-                shard.step(plan.rule, sources[b], plan.hparams[self.layout.buckets[b].group],
-                           plan.runs[b], plan.grad_scale, out=out, threads=self.threads,
-                           seed=self.seed)
+            for bucket in host:
+                b, (lo, hi), shard = bucket.b, bucket.range, bucket.shard
+                side = bucket.grad(gset) if self.staged_out else None
+                out = (push.target[bucket.group][lo:hi] if self.out_direct
+                       else side.weights_out() if side is not None else None)
+                shard.step(plan.rule, sources[b], plan.hparams[bucket.group], plan.runs[b],
+                           plan.grad_scale, out=out, threads=self.threads, seed=self.seed)
                 if not self.out_direct:
                     push.copy(b, shard.master if out is None else out)
-                if out is not None and not self.out_direct:
-                    stage.weights_read_by(push.hand_back(out))  # rule 6: the next d2h waits
+                if side is not None and out is not None:
+                    side.weights_read_by(push.hand_back(out))  # rule 6: the next d2h waits
                 if gather:
                     push.gather(b)
         push.copies_done()
         # Staging slices that carry weights are handed back on the copy stream (hand_back);
-        # the device part's gradients are DeviceUpdate's.
-        plan.grads.consumed([s for s, stage in zip(sources, gset.stages, strict=True)
-                             if not stage.resident
-                             and (not self.staged_out or s.dtype == torch.float32)])
+        # the device buckets' gradients are DeviceUpdate's.
+        plan.grads.consumed([sources[bk.b] for bk in host
+                             if not self.staged_out or sources[bk.b].dtype == torch.float32])
 
 
 class SyncUpdate:
@@ -119,34 +114,29 @@ class SyncUpdate:
 
 
 class DeviceUpdate:
-    """The rule's device implementation over the buckets whose state is kept on the device
-    (``stage.DeviceStage``): stepped on the caller's thread, on the compute stream, before the
-    host part (and at once under delayed update); the new weights are cast into the shards of
-    the given weight buffers, whose pushes gather them."""
+    """The rule's device implementation over the device buckets (``core.buckets``): stepped on
+    the caller's thread, on the compute stream, before the host part (and at once under delayed
+    update); the new weights are cast into the shards of the given weight buffers, whose pushes
+    gather them."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, *, rank: int,
-                 profile: ProfileRecorder) -> None:
-        self.layout, self.host, self.rank = layout, host, rank
-        self.profile = profile
-
-    @property
-    def buckets(self) -> list[int]:
-        return [stage.b for stage in self.host.resident]
+    def __init__(self, buckets: Buckets, *, profile: ProfileRecorder) -> None:
+        self.buckets, self.profile = buckets, profile
 
     @torch.no_grad()
     def run(self, plan: StepPlan, targets: list[list[Tensor]], step: int) -> None:
-        """Every device-resident bucket shard stepped over its runs (ranges between them left
+        """Every device bucket shard stepped over its runs (ranges between them left
         untouched, as the kernel leaves them), its new weights written into each of
         ``targets``' shards of it."""
-        if not self.host.resident:
+        device = self.buckets.device()
+        if not device:
             return
         sources = plan.grads.sources
         with self.profile.span("device_step", step):
-            for stage in self.host.resident:
-                bucket = self.layout.buckets[stage.b]
-                stage.step(plan.rule, sources[stage.b], plan.hparams[bucket.group],
-                           plan.runs[stage.b], plan.grad_scale)
-                lo, hi = bucket.shard_range(self.rank)
-                for target in targets:
-                    target[bucket.group][lo:hi].copy_(stage.master)
-            plan.grads.consumed([sources[b] for b in self.buckets])
+            for bucket in device:
+                shard = bucket.shard
+                shard.step(plan.rule, sources[bucket.b], plan.hparams[bucket.group],
+                           plan.runs[bucket.b], plan.grad_scale)
+                lo, hi = bucket.range
+                for target in targets:  # the push's targets: written here, gathered there
+                    target[bucket.group][lo:hi].copy_(shard.master)
+            plan.grads.consumed([sources[bk.b] for bk in device])

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_zero_offload.core import collectives, shard_view
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.checkpoint import (
     agreement,
     files,
@@ -37,7 +38,6 @@ from lightning_zero_offload.core.checkpoint import (
 )
 from lightning_zero_offload.core.checkpoint.gather import trim
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
-from lightning_zero_offload.core.host import HostBuffers
 from lightning_zero_offload.core.layout import Layout, shard_pieces
 from lightning_zero_offload.core.step import Stepper
 from lightning_zero_offload.core.tensor_parallel import TensorParallel, local
@@ -46,11 +46,13 @@ from lightning_zero_offload.core.weights import DeviceWeights
 
 class EngineState:
     def __init__(self, layout: Layout, rank: int, process_group: object | None,
-                 host: HostBuffers, weights: DeviceWeights, stepper: Stepper,
+                 buckets: Buckets, weights: DeviceWeights, stepper: Stepper,
                  module: nn.Module, param_groups: list[dict], precision: str) -> None:
         self.layout, self.rank, self.group = layout, rank, process_group
         self.world_size = layout.world_size
-        self.host, self.weights, self.stepper = host, weights, stepper
+        assert buckets.arrays is not None
+        self.buckets, self.host = buckets, buckets.arrays  # the host's: its rule and format
+        self.weights, self.stepper = weights, stepper
         self.module, self.param_groups, self.precision = module, param_groups, precision
         self.group_sizes = list(layout.group_sizes)
         self.saves = pending.InFlight()  # an asynchronous save in flight
@@ -97,9 +99,9 @@ class EngineState:
             **tp,
             "precision": self.precision, "layout": self.layout.describe(),
             "rule": self.host.rule.KEY,
-            "moment_dtype": shard_view.saved_moment_dtype(self.host),
+            "moment_dtype": shard_view.saved_moment_dtype(self.buckets),
             "groups": [{"step": counters["steps"][g],
-                        **self._group(g, to_write and bool(self.host.resident))}
+                        **self._group(g, to_write and bool(self.buckets.device()))}
                        for g in range(len(self.group_sizes))],
             "param_steps": counters["param_steps"],
             "param_groups": [formats.group_hparams(g) for g in self.param_groups],
@@ -108,11 +110,11 @@ class EngineState:
 
     def _group(self, g: int, later: bool) -> dict:
         if not later:
-            return {"master": shard_view.group_master(self.host, g),
-                    **formats.moments_fields(shard_view.group_moments(self.host, g))}
+            return {"master": shard_view.group_master(self.buckets, g),
+                    **formats.moments_fields(shard_view.group_moments(self.buckets, g))}
         n = self.layout.group_shard_numel[g]
         return {kind: stream.Later((n,), torch.float32, lambda kind=kind: shard_view.group_pieces(
-            self.host, g, kind)) for kind in ("master", *self.host.rule.STATE)}
+            self.buckets, g, kind)) for kind in ("master", *self.host.rule.STATE)}
 
     def load_shard(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
@@ -121,7 +123,8 @@ class EngineState:
             return
         validation.check_shard(state, self)
         for g, saved in enumerate(state["groups"]):
-            shard_view.load_group(self.host, g, saved["master"], formats.group_moments(state, g))
+            shard_view.load_group(self.buckets, g, saved["master"],
+                                  formats.group_moments(state, g))
         self.stepper.load_state_dict({
             "steps": [int(saved["step"]) for saved in state["groups"]],
             "param_steps": formats.param_steps(state), "scaler": state.get("scaler")})
@@ -166,7 +169,7 @@ class EngineState:
 
     def masters(self) -> list[Tensor]:
         """This rank's whole fp32 master shard per group, on the host."""
-        return [shard_view.group_master(self.host, g) for g in range(len(self.group_sizes))]
+        return [shard_view.group_master(self.buckets, g) for g in range(len(self.group_sizes))]
 
     def full_later(self, *, model: bool, optimizer: bool) -> dict:
         """``ZeroOffload.full_state_dict()``'s form with ``stream.Later`` stand-ins for the
@@ -221,22 +224,19 @@ class EngineState:
             pieces: dict[int, list] = {}
             for piece in shard_pieces(self.layout, self.rank):
                 pieces.setdefault(piece[0].bucket, []).append(piece)
-            for b, bucket in enumerate(self.layout.buckets):  # one bucket shard at a time
-                a, k = bucket.host_offset, bucket.shard
-                shard = self.host.shard(b)
-                own = shard.own_fp32()  # written in place: no copy
-                state32 = ([t.zero_() for t in own] if own else
-                           [torch.zeros(k) for _ in self.host.rule.STATE])
-                for slot, lo, hi, at in pieces.get(b, []):
+            for bucket in self.buckets:  # one bucket shard at a time, loaded by the shard
+                a, k, shard = bucket.host_offset, bucket.numel, bucket.shard
+                state32 = [torch.zeros(k) for _ in self.host.rule.STATE]
+                for slot, lo, hi, at in pieces.get(bucket.b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     shard.load(stream.made(model[slot.name]).reshape(-1)[lo:hi], at=at - a)
                     st = states.get(slot.index)
                     if st:
                         for t, name in zip(state32, self.host.rule.STATE, strict=True):
                             t[sl] = stream.made(st[name]).reshape(-1)[lo:hi]
-                if own is None:
-                    shard.load(state32=tuple(state32))
-                    trim()  # the conversion's temporaries, before the next bucket's
+                shard.load(state32=tuple(state32))
+                del state32
+                trim()  # the bucket's temporaries, before the next bucket's
         if opt:
             for group, saved in zip(self.param_groups, opt["param_groups"], strict=True):
                 group.update(formats.group_hparams(saved))

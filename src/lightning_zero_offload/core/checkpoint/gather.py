@@ -23,16 +23,17 @@ from lightning_zero_offload.core.checkpoint.stream import Later
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.checkpoint.engine_state import EngineState
-from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.layout import Layout, Slot
 
 
 class BucketGather:
     """Collective per new bucket: whole buckets of one kind, the last one kept."""
 
-    def __init__(self, layout: Layout, host: HostBuffers, rank: int, group: Any,
+    def __init__(self, layout: Layout, buckets: Buckets, rank: int, group: Any,
                  coll: torch.device | None) -> None:
-        self.layout, self.host, self.rank, self.group, self.coll = layout, host, rank, group, coll
+        self.layout, self.buckets, self.rank = layout, buckets, rank
+        self.group, self.coll = group, coll
         self._key: tuple[str, int] | None = None
         self._whole: Tensor | None = None
 
@@ -41,7 +42,7 @@ class BucketGather:
         if self._key != (kind, b) or self._whole is None:
             self._whole = None  # the previous bucket goes before the next is gathered
             trim()
-            mine = self.host.shard(b).export(kind)
+            mine = self.buckets[b].shard.export(kind)
             if self.layout.world_size == 1:
                 self._whole = mine
             else:
@@ -95,7 +96,7 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
     the rank that writes, ``stream.make_all`` on the others, in the order they were created)."""
     coll = (collectives.collective_device(state.group, state.weights.dev.device)
             if state.world_size > 1 else None)
-    gather = BucketGather(state.layout, state.host, state.rank, state.group, coll)
+    gather = BucketGather(state.layout, state.buckets, state.rank, state.group, coll)
     slots, tp = in_bucket_order(state.layout), state.tp
     rule_state = state.host.rule.STATE
     kinds = (["master"] if model else []) + (list(rule_state) if optimizer else [])
