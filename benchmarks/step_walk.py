@@ -10,7 +10,9 @@ Traces the second ``step`` of a small engine (3 and 6 buckets, one rank, the CPU
   returned, within ``ZeroOffload.step`` (the step owns the gradients from there: it must not
   call the streamer back).
 
-Run it against any checkout to compare revisions (``PYTHONPATH=<checkout>/src``)::
+``tests/test_step_walk.py`` keeps the counts bounded (at most 4 crossings per extra bucket, none
+back into the streamer after ``finish``). Run it against any checkout to compare revisions
+(``PYTHONPATH=<checkout>/src``)::
 
     PYTHONPATH=src python benchmarks/step_walk.py
 """
@@ -82,13 +84,19 @@ def _walk(delayed: bool, layers: int) -> dict:
     return {"delayed": delayed, "buckets": buckets, **counts}
 
 
+def walk(delayed: bool) -> dict:
+    """The walk of the 3-bucket engine, and ``per_extra_bucket``: what each bucket more adds
+    (from the 6-bucket one). ``tests/test_step_walk.py`` holds the counts to their bounds."""
+    walks = [_walk(delayed, n) for n in (3, 6)]
+    per_bucket = {k: (walks[1][k] - walks[0][k]) / (walks[1]["buckets"] - walks[0]["buckets"])
+                  for k in ("crossings", "re_entries", "after_finish")}
+    return {**walks[0], "per_extra_bucket": per_bucket}
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     for delayed in (False, True):
-        walks = [_walk(delayed, n) for n in (3, 6)]
-        per_bucket = {k: (walks[1][k] - walks[0][k]) / (walks[1]["buckets"] - walks[0]["buckets"])
-                      for k in ("crossings", "re_entries", "after_finish")}
-        print(json.dumps({**walks[0], "per_extra_bucket": per_bucket}))
+        print(json.dumps(walk(delayed)))
 
 
 if __name__ == "__main__":

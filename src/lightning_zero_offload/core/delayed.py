@@ -32,19 +32,20 @@ logger = logging.getLogger(__name__)
 
 
 class Phase(enum.Enum):
-    """Where the delayed update is between two steps."""
+    """Where a pending delayed update is (none pending: it landed, or none was submitted)."""
 
-    IDLE = "idle"  # none pending: the last one landed (or none was submitted)
-    RUNNING = "running"  # the pending step's CPU step may still run on the worker
+    RUNNING = "running"  # its CPU step may still run on the worker
     JOINED = "joined"  # the worker is done; its weights land at the next collective call
 
 
-@dataclass
+@dataclass(frozen=True)
 class Pending:
-    """A step's host part handed to the worker: the step, and the push writing its weights."""
+    """A step's host part handed to the worker: the step, the push writing its weights and
+    where it is."""
 
     step: int
     push: WeightPush
+    phase: Phase = Phase.RUNNING
 
 
 class DelayedUpdate:
@@ -57,8 +58,7 @@ class DelayedUpdate:
                  weights: DeviceWeights, buckets: Buckets, update: HostUpdate) -> None:
         self.worker, self.profile, self.weights = worker, profile, weights
         self.buckets, self.update = buckets, update
-        self.pending: Pending | None = None  # the step submitted, until it lands
-        self.phase = Phase.IDLE
+        self.pending: Pending | None = None  # the step submitted, until it lands: one value
 
     def targets(self) -> list[list[Tensor]]:
         """The device part writes both weight sets: the spare one lands with the host part."""
@@ -78,20 +78,20 @@ class DelayedUpdate:
         used = self.buckets.swap()
         push = self.weights.push(step, self.weights.spare)
         self.worker.submit(self.update.run, plan, push, False, used)
-        self.pending, self.phase = Pending(step, push), Phase.RUNNING
+        self.pending = Pending(step, push)
 
     def join(self) -> None:
         """Wait for the worker (the wait is the step's exposed stall)."""
         pending = self.pending
-        if self.phase is not Phase.RUNNING or pending is None:
+        if pending is None or pending.phase is not Phase.RUNNING:
             return
-        self.phase = Phase.JOINED
+        self.pending = Pending(pending.step, pending.push, Phase.JOINED)
         with self.profile.span("stall", pending.step):
             try:
                 assert self.worker is not None
                 self.worker.wait()
             except Exception as e:
-                self.pending, self.phase = None, Phase.IDLE
+                self.pending = None
                 pending.push.abandon()
                 self.profile.close(pending.step)
                 raise RuntimeError(
@@ -102,7 +102,7 @@ class DelayedUpdate:
     def land(self) -> None:
         """Collective with several ranks: step i's weights become the module's."""
         self.join()
-        pending, self.pending, self.phase = self.pending, None, Phase.IDLE
+        pending, self.pending = self.pending, None
         if pending is None:
             return
         k = pending.step

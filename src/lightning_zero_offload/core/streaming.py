@@ -49,15 +49,18 @@ def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
 
 
 class Pass(enum.Enum):
-    """Where the streamer is in a backward pass, as its hooks see it."""
+    """Where the streamer is in a backward pass, as its hooks see it (one state: ``no_sync()``
+    is the idle state its backward passes return to)."""
 
-    IDLE = "idle"  # none: a backward now sends its gradients unless inside ``no_sync()``
+    IDLE = "idle"  # none: a backward now sends its gradients
+    NO_SYNC = "no_sync"  # none, inside ``no_sync()``: a backward keeps its gradients local
     SYNC = "sync"  # an engine backward that reduces and sends its gradients; no hook yet
     LOCAL = "local"  # an engine backward whose gradients stay on the device (hooks do nothing)
     RUNNING = "running"  # hooks are sending; ``end_backward`` is queued for the pass's end
 
 
-_SENDS = {Pass.SYNC: True, Pass.LOCAL: False, Pass.RUNNING: True}  # IDLE: not in no_sync()
+_SENDS = {Pass.IDLE: True, Pass.NO_SYNC: False, Pass.SYNC: True, Pass.LOCAL: False,
+          Pass.RUNNING: True}
 
 
 def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
@@ -76,7 +79,6 @@ class GradStreamer:
         self.layout, self.buckets, self.dtype, self.dev = layout, buckets, dtype, dev
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
-        self._local = False  # inside no_sync(): backward passes keep gradients on the device
         self._pass = Pass.IDLE
         self.profile_step = 1  # the optimizer step these gradients are for
         nb = len(layout.buckets)
@@ -113,23 +115,24 @@ class GradStreamer:
     @property
     def sync(self) -> bool:
         """Whether the hooks reduce and send gradients now (else they stay on the device)."""
-        return _SENDS.get(self._pass, not self._local)
+        return _SENDS[self._pass]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """``ZeroOffload.no_sync``: backward passes inside keep gradients on the device."""
-        self._local = True
+        self._pass = Pass.NO_SYNC
         try:
             yield
         finally:
-            self._local = False
+            self._pass = Pass.IDLE
 
     @contextlib.contextmanager
     def backward_pass(self, sync: bool) -> Iterator[None]:
         """One backward through the engine; ``sync=False`` keeps its gradients on the device.
         The fp32 gradient it will add into exists before autograd starts (never in a hook); a
         failed pass is forgotten (:meth:`discard`)."""
-        self._pass = Pass.SYNC if sync and not self._local else Pass.LOCAL
+        idle = self._pass  # IDLE, or NO_SYNC: where the pass returns
+        self._pass = Pass.SYNC if sync and idle is not Pass.NO_SYNC else Pass.LOCAL
         if self._pass is Pass.SYNC and self.will_accumulate():
             self.buckets.need_fp32_grads()  # a flush adds to an earlier one: allocated once
         try:
@@ -138,7 +141,7 @@ class GradStreamer:
             self.discard()
             raise
         finally:
-            self._pass = Pass.IDLE
+            self._pass = idle
 
     # -- hooks ---------------------------------------------------------------------------------
     def on_grad(self, i: int, param: Tensor) -> None:
@@ -202,6 +205,10 @@ class GradStreamer:
         ``had_grad`` False: the step leaves them alone unless another rank's gradient came)."""
         if self._pass is not Pass.RUNNING:
             return
+        self._flush_rest()
+        self._end_pass()
+
+    def _flush_rest(self) -> None:
         for b in range(self._next, len(self.layout.buckets)):
             for i in self.layout.buckets[b].slots:
                 param = self.layout.slots[i].param
@@ -209,13 +216,12 @@ class GradStreamer:
                     self._add_to_bucket(i, self.layout.slots[i], param.grad)
                     param.grad = None
             self._flush(b)
-        self._end_pass()
 
     def _end_pass(self) -> None:
         self._next = 0
         self._ready = [0] * len(self._ready)
         self._arrived = [False] * len(self._arrived)
-        self._pass = Pass.IDLE
+        self._pass = Pass.NO_SYNC if self._pass is Pass.NO_SYNC else Pass.IDLE
 
     def discard(self) -> None:
         """After a failed backward: forget its partial buckets (nothing was sent for them)."""
@@ -345,11 +351,10 @@ class GradStreamer:
         so poisoned on the emulated device); buckets that got nothing are zeroed. Later calls
         before another flush return the same. ``next_step``: gradients arriving from here on
         are for that optimizer step (the profile's)."""
-        if self._pass is not Pass.RUNNING and any(s.param.grad is not None
-                                                  for s in self.layout.slots):
-            self._pass = Pass.RUNNING  # left by no_sync: end_backward flushes them (an
-            # accumulating flush allocates the fp32 gradient)
-        self.end_backward()
+        if self._pass is Pass.RUNNING or any(s.param.grad is not None
+                                             for s in self.layout.slots):
+            self._flush_rest()  # those left by no_sync too (an accumulating flush allocates
+            self._end_pass()  # the fp32 gradient)
         self.drain()
         if next_step is not None:
             self.profile_step = next_step
