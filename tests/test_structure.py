@@ -256,7 +256,8 @@ def foreign_writes(tree: ast.AST, own: set[str], owned: dict[str, list[str]]
             chain = alias.get(base.id) if isinstance(base, ast.Name) else _owner_chain(base)
             if (chain is not None and ast.unparse(chain.value) not in ("self", "cls")
                     and chain.attr in owned and chain.attr not in own):
-                found.append((node.lineno, f"{ast.unparse(written)} ({owned[chain.attr]})"))
+                found.append((getattr(node, "lineno", 0),
+                              f"{ast.unparse(written)} ({owned[chain.attr]})"))
     return sorted(set(found))
 
 

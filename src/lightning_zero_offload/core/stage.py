@@ -231,6 +231,14 @@ class DeviceGradSide:
         self._flushes = 0
 
     # -- the step's side ----------------------------------------------------------------------
+    def weights_out(self) -> Tensor:
+        """None written here: a device bucket's new weights are cast from its master."""
+        raise RuntimeError("ZeroOffload internal error: a device bucket's weights are cast "
+                           "from its master, not written over its gradient")
+
+    def weights_read_by(self, event: Event | None) -> None:
+        """No copy reads weights out of its gradient."""
+
     def source(self, dev: SyncDevice, flushes: int) -> Tensor:
         """The gradient after ``flushes`` flushes since reset: zeros when none came."""
         if flushes == 0:
