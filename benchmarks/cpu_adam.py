@@ -217,7 +217,7 @@ def bench_moments(n: int, threads: int, repeats: int, warmup: int, ao_cls: type 
     v32 = torch.rand(n, generator=gen).mul_(1e-6)
     g16 = torch.randn(n, generator=gen).mul_(1e-2).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
-    moms = {md: ops.Moments.from_fp32(m32, v32, md) for md in ops.MOMENT_DTYPES}
+    moms = {md: ops.Moments.from_fp32(m32, v32, md, names=ops.ADAM) for md in ops.MOMENT_DTYPES}
     del m32, v32
     peers: dict[str, Callable[[], None]] = {}
     for md, mom in moms.items():
@@ -262,7 +262,8 @@ def compute_ns_per_param(threads: int = 1, n: int = 16384, calls: int = 2000) ->
     out = torch.empty(n, dtype=torch.bfloat16)
     res = {}
     for md in ops.MOMENT_DTYPES:
-        mom = ops.Moments.from_fp32(torch.randn(n) * 1e-3, torch.rand(n) * 1e-6, md)
+        mom = ops.Moments.from_fp32(torch.randn(n) * 1e-3, torch.rand(n) * 1e-6, md,
+                                    names=ops.ADAM)
         args = (p, g16, mom.exp_avg, mom.exp_avg_sq, out, 100, LR, BETAS[0], BETAS[1], EPS, WD,
                 True, SCALE, threads, mom.exp_avg_scales, mom.exp_avg_sq_scales, 0, 0, False)
         wall = cpu = float("inf")

@@ -3,7 +3,7 @@
 The full CPU side of a ZeRO-Offload step with Lion: a bf16 gradient in, the gradient scale, the
 decoupled decay, the sign update, the moment update and the bf16 weights out. Peers, in turns:
 
-- ``fused``: ``core.lion.fused_lion_`` (one pass; fp32 moment, and bf16 / int8 moments);
+- ``fused``: ``ops.fused_lion_`` (one pass; fp32 moment, and bf16 / int8 moments);
 - ``torch (lion_pytorch's ops)``: the gradient cast into a preallocated fp32 buffer and scaled,
   then lion_pytorch's ``update_fn`` (the ops ``lion_pytorch.Lion.step`` runs per parameter),
   the weights cast back;
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.core.lion import Lion, fused_lion_
+from lightning_zero_offload.core.lion import Lion
 from lightning_zero_offload.ops import _build
 
 BYTES = 20  # per parameter, fp32 moment: read 2 + 4 + 4, write 4 + 4 + 2
@@ -63,7 +63,7 @@ def peers_for(n: int, threads: int) -> dict[str, Callable[[], None]]:
     g16 = torch.randn(n).bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)
     hp = Lion().hyper({"lr": LR, "betas": BETAS, "weight_decay": WD})
-    states = {md: (torch.randn(n), Lion.zeros(n, md)) for md in ops.MOMENT_DTYPES}
+    states = {md: (torch.randn(n), Lion().zeros(n, md)) for md in ops.MOMENT_DTYPES}
     p_t, m_t, g32 = torch.randn(n), torch.zeros(n), torch.empty(n)
     p_l, m_l, c = torch.randn(n), torch.zeros(n), torch.empty(n)
     a, b = torch.randn(n), torch.randn(n)
@@ -72,8 +72,9 @@ def peers_for(n: int, threads: int) -> dict[str, Callable[[], None]]:
 
     def fused(md: str) -> Callable[[], None]:
         p, st = states[md]
-        return lambda: fused_lion_(p, g16, st, hp, step=1, grad_scale=SCALE, out=out,
-                                   num_threads=threads)
+        return lambda: ops.fused_lion_(p, g16, step=1, grad_scale=SCALE, out=out,
+                                       num_threads=threads, **st.kernel_args(),
+                                       **hp.kernel_args())
 
     def torch_ops() -> None:
         g32.copy_(g16).mul_(SCALE)

@@ -241,7 +241,7 @@ def test_compact_state_dict_resumes_exactly(md: str) -> None:
 
 
 def test_switching_moment_dtype_between_save_and_resume() -> None:
-    from lightning_zero_offload.ops import Moments
+    from lightning_zero_offload.ops import ADAM, Moments
 
     model = _model()
     opt32 = CPUAdam(model.parameters(), lr=1e-2)
@@ -252,7 +252,7 @@ def test_switching_moment_dtype_between_save_and_resume() -> None:
     opt8.load_state_dict(saved)
     for idx, p in enumerate(model.parameters()):
         s8, s32 = opt8.state[p], saved["state"][idx]
-        q = Moments.from_fp32(s32["exp_avg"], s32["exp_avg_sq"], "int8")
+        q = Moments.from_fp32(s32["exp_avg"], s32["exp_avg_sq"], "int8", names=ADAM)
         assert torch.equal(s8["exp_avg"].reshape(-1), q.exp_avg)
         assert torch.equal(s8["exp_avg_sq_scales"], q.exp_avg_sq_scales)
     # int8 -> torch.optim.AdamW: the dequantized moments, and training goes on from them
@@ -263,7 +263,8 @@ def test_switching_moment_dtype_between_save_and_resume() -> None:
     for p in model.parameters():
         st = opt8.state[p]
         m, v = Moments("int8", st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1),
-                       scales=(st["exp_avg_scales"], st["exp_avg_sq_scales"])).to_fp32()
+                       scales=(st["exp_avg_scales"], st["exp_avg_sq_scales"]),
+                       names=ADAM).to_fp32()
         assert torch.equal(torch_opt.state[p]["exp_avg"], m.view(p.shape))
         assert torch.equal(torch_opt.state[p]["exp_avg_sq"], v.view(p.shape))
         assert torch_opt.state[p]["step"].item() == 7

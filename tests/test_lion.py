@@ -15,7 +15,7 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload, ops
 from lightning_zero_offload.core.checkpoint.formats import CheckpointError
-from lightning_zero_offload.core.lion import Hyper, Lion, _reference_, fused_lion_
+from lightning_zero_offload.core.lion import Hyper, Lion
 from lightning_zero_offload.core.rules import RULES, rule_for
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
@@ -24,6 +24,16 @@ LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)
 
 def _hp(lr: float = 1e-2, wd: float = 0.1, betas=(0.9, 0.99)) -> Hyper:
     return Lion().hyper({"lr": lr, "weight_decay": wd, "betas": betas})
+
+
+def fused_lion_(p, g, state, hp: Hyper, **kw) -> None:
+    """The kernel (``ops.fused_lion_``) on a ``Moments`` chunk and a group's ``Hyper``."""
+    ops.fused_lion_(p, g, **state.kernel_args(), **hp.kernel_args(), **kw)
+
+
+def _reference_(p, g, state, hp: Hyper, **kw) -> None:
+    """The kernel's pure-torch reference (``ops.fused_lion_reference_``), as ``fused_lion_``."""
+    ops.fused_lion_reference_(p, g, **state.kernel_args(), **hp.kernel_args(), **kw)
 
 
 def _torch_lion(model: torch.nn.Module, data, *, micro: int = 2, clip: float = 1.0,
@@ -53,7 +63,7 @@ def test_kernel_equals_lion_pytorch_bit_for_bit(scale: float) -> None:
     lion_pytorch's on the scaled gradient (n = 4099: vector bodies and a scalar tail)."""
     n, gen = 4099, torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n, generator=gen))
-    ours, state = p.detach().clone(), Lion.zeros(n, "fp32")
+    ours, state = p.detach().clone(), Lion().zeros(n, "fp32")
     opt = lion_pytorch.Lion([p], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
     rule = rule_for(opt)
     for step in range(1, 6):
@@ -71,7 +81,7 @@ def test_decoupled_weight_decay_divides_by_the_initial_lr() -> None:
     p = torch.nn.Parameter(torch.randn(n))
     opt = lion_pytorch.Lion([p], lr=1e-2, weight_decay=1e-3, decoupled_weight_decay=True)
     opt.param_groups[0]["lr"] = 5e-3  # a scheduler moved it: wd still divides by 1e-2
-    ours, state = p.detach().clone(), Lion.zeros(n, "fp32")
+    ours, state = p.detach().clone(), Lion().zeros(n, "fp32")
     g = torch.randn(n)
     p.grad = g.clone()
     opt.step()
@@ -93,7 +103,7 @@ def test_every_simd_path_and_the_reference_give_the_same_bits(md, grad_dtype, ou
     hp = _hp()
 
     def run(call) -> list[torch.Tensor]:
-        p, state = p0.clone(), Lion.zeros(n, md)
+        p, state = p0.clone(), Lion().zeros(n, md)
         out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
         for step, g in enumerate(grads, start=1):
             for a, b in ((0, 2048), (2048, n)):  # the second chunk starts at offset 2048
@@ -131,7 +141,7 @@ def test_a_non_finite_gradient_stays_in_its_element_at_int8(bad: float) -> None:
     hp = _hp()
 
     def run(grad: torch.Tensor, md: str, isa: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-        p, state = torch.linspace(-1, 1, n), Lion.zeros(n, md)
+        p, state = torch.linspace(-1, 1, n), Lion().zeros(n, md)
         for step in (1, 2):  # the second step reads the stored non-finite moment back
             if isa is None:
                 _reference_(p, grad if step == 1 else zeroed, state, hp, grad_scale=1.0,
@@ -165,7 +175,7 @@ def test_device_rule_equals_the_kernel() -> None:
     gradient is left as it was."""
     n, gen = 4099, torch.Generator().manual_seed(2)
     p0 = torch.randn(n, generator=gen)
-    host_p, dev_p, host_m, dev_m = p0.clone(), p0.clone(), Lion.zeros(n, "fp32"), torch.zeros(n)
+    host_p, dev_p, host_m, dev_m = p0.clone(), p0.clone(), Lion().zeros(n, "fp32"), torch.zeros(n)
     for step in range(1, 4):
         g = torch.randn(n, generator=gen).bfloat16()
         kept = g.clone()
@@ -184,7 +194,7 @@ def test_device_rule_on_cuda_tracks_the_kernel() -> None:
     rounding of zero, and each flip moves one weight by 2 lr); a wrong formula is far off."""
     n, gen = 1 << 20, torch.Generator().manual_seed(3)
     p0 = torch.randn(n, generator=gen)
-    host_p, host_m = p0.clone(), Lion.zeros(n, "fp32")
+    host_p, host_m = p0.clone(), Lion().zeros(n, "fp32")
     dev_p, dev_m = p0.cuda(), torch.zeros(n, device="cuda")
     for step in range(1, 4):
         g = torch.randn(n, generator=gen).bfloat16()

@@ -14,7 +14,14 @@ from _helpers import assert_same, bits, force_isa
 
 from lightning_zero_offload import ops
 from lightning_zero_offload.ops import moments as M
-from lightning_zero_offload.ops._reference import fused_adamw_reference_
+from lightning_zero_offload.ops.adamw import STATE as ADAM
+from lightning_zero_offload.ops.adamw import fused_adamw_reference_
+
+
+def from_fp32(*args):
+    """Adam's state from fp32 arrays (``Moments.from_fp32`` with its names and codes)."""
+    return M.Moments.from_fp32(*args, names=ADAM)
+
 
 COMPACT = ["bf16", "int8"]
 SIZES = [0, 1, 15, 255, 256, 257, 70_001]
@@ -38,7 +45,7 @@ def run(fn, n: int, md: str, *, steps: int = 3, grad_dtype=torch.bfloat16,
     p = torch.randn(n, generator=gen)
     # moments spread over 8 decades within a block, so the 8-bit code's small values are used
     spread = torch.exp(torch.empty(n).uniform_(-9, 0, generator=gen))
-    mom = M.Moments.from_fp32(torch.randn(n, generator=gen) * spread,
+    mom = from_fp32(torch.randn(n, generator=gen) * spread,
                               torch.rand(n, generator=gen) * spread**2, md)
     out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
     hp = dict(lr=1e-2, weight_decay=0.1, decoupled=True, seed=11)
@@ -134,7 +141,7 @@ def _spread(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_bf16_conversion_is_nearest_and_exact_back() -> None:
     m, v = _spread(10_000)
-    mom = M.Moments.from_fp32(m, v, "bf16")
+    mom = from_fp32(m, v, "bf16")
     assert torch.equal(mom.exp_avg, m.bfloat16()) and torch.equal(mom.exp_avg_sq, v.bfloat16())
     m2, v2 = mom.to_fp32()
     assert torch.equal(m2, m.bfloat16().float()) and torch.equal(v2, v.bfloat16().float())
@@ -142,7 +149,7 @@ def test_bf16_conversion_is_nearest_and_exact_back() -> None:
 
 def test_int8_conversion_error_bounds_and_idempotence() -> None:
     m, v = _spread(25_600 + 77)
-    mom = M.Moments.from_fp32(m, v, "int8")
+    mom = from_fp32(m, v, "int8")
     assert mom.exp_avg_scales is not None and mom.exp_avg_sq_scales is not None
     m2, v2 = mom.to_fp32()
     n = m.numel()
@@ -166,7 +173,7 @@ def test_int8_conversion_error_bounds_and_idempotence() -> None:
     pad[:n] = m.abs()
     amax = pad.view(blocks, -1).amax(1)
     torch.testing.assert_close(mom.exp_avg_scales * 1.875, amax, rtol=2e-7, atol=0)
-    again = M.Moments.from_fp32(m2, v2, "int8")
+    again = from_fp32(m2, v2, "int8")
     assert_same([again.exp_avg, again.exp_avg_scales], [mom.exp_avg, mom.exp_avg_scales])
     assert torch.equal(again.exp_avg_sq, mom.exp_avg_sq)
 
@@ -178,7 +185,7 @@ def test_int8_special_blocks() -> None:
     m[M.BLOCK + 3] = math.inf
     v[2 * M.BLOCK + 5] = math.nan
     m[3 * M.BLOCK:] *= 1e-40  # below the smallest normal float: read back as 0
-    mom = M.Moments.from_fp32(m, v, "int8")
+    mom = from_fp32(m, v, "int8")
     m2, v2 = mom.to_fp32()
     assert (m2[: M.BLOCK] == 0).all() and (v2[: M.BLOCK] == 0).all()
     assert (m2[3 * M.BLOCK:] == 0).all()
@@ -203,7 +210,7 @@ def test_int8_keeps_each_non_finite_value_in_its_element() -> None:
     """NaN, +inf and -inf come back as themselves in their element; the other elements of a
     block holding one keep the code's error bounds relative to the block's finite maximum."""
     m, v, at = _non_finite()
-    mom = M.Moments.from_fp32(m, v, "int8")
+    mom = from_fp32(m, v, "int8")
     m2, v2 = mom.to_fp32()
     assert_same([m2[~torch.isfinite(m)], v2[~torch.isfinite(v)]],
                 [m[~torch.isfinite(m)], v[~torch.isfinite(v)]])  # NaN, inf and sign as given
@@ -223,7 +230,7 @@ def test_int8_keeps_each_non_finite_value_in_its_element() -> None:
             err = (x2[sl][ok] - x[sl][ok]).abs()
             assert (err <= torch.maximum(x[sl][ok].abs() * 2.0**-4, big * 2.0**-17) * 1.001).all()
     # decoding is exact: the codes and scales come back from their own values
-    again = M.Moments.from_fp32(m2, v2, "int8")
+    again = from_fp32(m2, v2, "int8")
     assert_same(list(again.fields().values()), list(mom.fields().values()))
 
 
@@ -237,7 +244,7 @@ def test_nan_and_inf_gradients_bitwise_as_reference(ext, md: str) -> None:
         g[[5, 300]], g[[7, 600]] = math.nan, math.inf
         g[9] = -math.inf
         g[3 * M.BLOCK + 11] = -math.nan  # alone in its block: a NaN with its sign bit set
-        mom = M.Moments.from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen), md)
+        mom = from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen), md)
         fn(p, g, step=2, lr=1e-3, weight_decay=0.1, **mom.kernel_args())
         fn(p, torch.randn(n, generator=gen), step=3, lr=1e-3, **mom.kernel_args())
         results.append([p, *[t for t in mom.kernel_args().values() if isinstance(t, torch.Tensor)]])
@@ -258,7 +265,7 @@ def test_nan_and_denormal_weights_with_out_bitwise_as_reference(ext, md: str, is
         p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
         p[[3, 40, 500, n - 2]] = torch.tensor([1e-40, -3e-39, 1.1754942e-38, 7e-45])
         g[[70, 2 * M.BLOCK + 1]] = math.nan
-        mom = M.Moments.from_fp32(torch.randn(n, generator=gen) * 1e-3,
+        mom = from_fp32(torch.randn(n, generator=gen) * 1e-3,
                                   torch.rand(n, generator=gen) * 1e-6, md)
         out = torch.empty(n, dtype=torch.bfloat16)
         with force_isa(isa) if fn is ops.fused_adamw_ else contextlib.nullcontext():
@@ -272,7 +279,7 @@ def test_nan_and_denormal_weights_with_out_bitwise_as_reference(ext, md: str, is
 
 def _one_step(fn, g: torch.Tensor, md: str, step: int = 1):
     p = torch.linspace(-1, 1, g.numel())
-    mom = M.Moments.from_fp32(torch.zeros(g.numel()), torch.zeros(g.numel()), md)
+    mom = from_fp32(torch.zeros(g.numel()), torch.zeros(g.numel()), md)
     fn(p, g, step=step, lr=1e-3, weight_decay=0.1, **mom.kernel_args())
     return p, *mom.to_fp32()
 
@@ -311,8 +318,8 @@ def test_kernel_non_finite_gradient_stays_in_its_element(ext, isa: str, bad: flo
 @pytest.mark.parametrize("md", ["fp32", *COMPACT])
 @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 1_000_003])
 def test_moment_bytes_is_what_is_allocated(md: str, n: int) -> None:
-    mom = M.Moments.zeros(n, md)
-    assert mom.nbytes == ops.moment_bytes(n, md)
+    mom = M.Moments.zeros(n, md, names=ADAM)
+    assert mom.nbytes == ops.moment_bytes(n, md, 2)
     per = {"fp32": 8, "bf16": 4, "int8": 2}[md]
     assert per * n <= mom.nbytes <= per * n + (8 if md == "int8" else 0) * M.num_blocks(n)
 
@@ -320,9 +327,73 @@ def test_moment_bytes_is_what_is_allocated(md: str, n: int) -> None:
 def test_moment_bytes_per_parameter_targets() -> None:
     n = 50_000_000
     # master (4 B) + moments: fp32 12, bf16 8, int8 at most 6.3 bytes per parameter
-    assert (4 * n + ops.moment_bytes(n, "fp32")) / n == 12
-    assert (4 * n + ops.moment_bytes(n, "bf16")) / n == 8
-    assert (4 * n + ops.moment_bytes(n, "int8")) / n <= 6.04
+    assert (4 * n + ops.moment_bytes(n, "fp32", 2)) / n == 12
+    assert (4 * n + ops.moment_bytes(n, "bf16", 2)) / n == 8
+    assert (4 * n + ops.moment_bytes(n, "int8", 2)) / n <= 6.04
+
+
+# --- any number of named arrays -------------------------------------------------------------------
+
+ONE = {"exp_avg": M.SIGNED}  # Lion's
+THREE = {"a": M.SIGNED, "b": M.SQRT, "c": M.SIGNED}  # a rule with three arrays
+
+
+@pytest.mark.parametrize("md", ["fp32", *COMPACT])
+@pytest.mark.parametrize("state", [ONE, THREE], ids=["one", "three"])
+def test_a_state_of_one_or_three_named_arrays(md: str, state: dict) -> None:
+    """Sizes, conversions, chunks and the stored fields hold for any number of arrays, each
+    stored by its own code; the names are the rule's, not Adam's."""
+    n, k, gen = 1000, len(state), torch.Generator().manual_seed(5)
+    xs = [torch.rand(n, generator=gen) if code == M.SQRT else torch.randn(n, generator=gen)
+          for code in state.values()]
+    zeros = M.Moments.zeros(n, md, names=state)
+    assert zeros.names == tuple(state) and zeros.nbytes == ops.moment_bytes(n, md, k)
+    mom = M.Moments.from_fp32(*xs, md, names=state)
+    back = mom.to_fp32()
+    assert len(back) == k
+    for name, x, y in zip(state, xs, back, strict=True):
+        assert torch.equal(getattr(mom, name), mom.arrays[name])
+        if md == "fp32":
+            assert torch.equal(x, y)
+        else:  # each array within its own code's bounds (a sqrt code on a signed one would not)
+            rtol = {"bf16": 2**-8, "int8": 2**-3 if state[name] == M.SIGNED else 2**-3}[md]
+            torch.testing.assert_close(y, x, rtol=rtol, atol=float(x.abs().max()) * 2**-15)
+    again = M.Moments.named(md, mom.fields(), state)
+    assert_same(list(again.fields().values()), list(mom.fields().values()))
+    part = mom.chunk(256, 512)
+    assert part.names == mom.names and part.offset == 256 and part.numel == 512
+    assert set(mom.kernel_args()) == {*state, *(f"{n}_scales" for n in state), "offset"}
+
+
+@pytest.mark.parametrize("md", COMPACT)
+def test_each_array_rounds_with_bits_of_its_own(md: str) -> None:
+    """Arrays 0 and 1 round with the low and high half of the kernel's random word (Adam's two
+    moments, Lion's one, bit for bit as before); arrays 2 and 3 with a second word of their own,
+    so a third array holding the first's values rounds them differently."""
+    n, key, gen = 4096, M.rng_key(7, 3), torch.Generator().manual_seed(6)
+    m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    adam = M.Moments.zeros(n, md, names=ADAM).at(512)
+    adam.round_from_((m, v), key)
+    for state, arrays in ((ONE, (m,)), (THREE, (m, v, m))):
+        mine = M.Moments.zeros(n, md, names=state).at(512)
+        mine.round_from_(arrays, key)
+        assert torch.equal(bits(mine.arrays[mine.names[0]]), bits(adam.exp_avg))
+        if len(arrays) == 3:
+            assert torch.equal(bits(mine.arrays["b"]), bits(adam.exp_avg_sq))
+            assert not torch.equal(bits(mine.arrays["c"]), bits(mine.arrays["a"]))
+            # ... and from the same word on another step
+            other = M.Moments.zeros(n, md, names=state).at(512)
+            other.round_from_(arrays, M.rng_key(7, 4))
+            assert not torch.equal(bits(other.arrays["c"]), bits(mine.arrays["c"]))
+
+
+def test_int8_needs_each_arrays_code() -> None:
+    with pytest.raises(ValueError, match="needs each array's code"):
+        M.Moments("int8", torch.zeros(4, dtype=torch.uint8), names=("a",),
+                  scales=(torch.zeros(1),))
+    with pytest.raises(ValueError, match="unknown storage code"):
+        M.Moments.zeros(4, "fp32", names={"a": "cube"})
+    assert M.Moments("fp32", torch.zeros(4), names=("a",)).to_fp32()[0].numel() == 4
 
 
 # --- tracking float64 AdamW over many steps ------------------------------------------------------
@@ -363,7 +434,7 @@ def _tracking_errors(fn, md: str) -> tuple[float, float, float]:
     p0, grads = _track_problem()
     p64, v64 = _adamw64(p0, grads)
     p = p0.clone()
-    mom = M.Moments.zeros(N_TRACK, md)
+    mom = M.Moments.zeros(N_TRACK, md, names=ADAM)
     for t, g in enumerate(grads, 1):
         fn(p, g, step=t, lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, **mom.kernel_args())
     _, v = mom.to_fp32()
@@ -409,7 +480,7 @@ def test_round_to_nearest_would_freeze_bf16_v(monkeypatch: pytest.MonkeyPatch) -
 
 
 def _call(n: int = 512, md: str = "int8", **override):
-    mom = M.Moments.zeros(n, md)
+    mom = M.Moments.zeros(n, md, names=ADAM)
     args = dict(param=torch.randn(n), grad=torch.randn(n), step=1, lr=1e-3, **mom.kernel_args())
     args.update(override)
     return args
@@ -457,7 +528,7 @@ def test_bad_compact_arguments_raise_and_write_nothing(case: str, exc, match: st
 
 
 def test_chunks_must_fall_on_blocks() -> None:
-    mom = M.Moments.zeros(1000, "int8")
+    mom = M.Moments.zeros(1000, "int8", names=ADAM)
     mom.chunk(256, 512)  # fine
     mom.chunk(768, 232)  # fine: ends at the end of the buffer
     with pytest.raises(ValueError, match="block boundaries"):
@@ -467,9 +538,9 @@ def test_chunks_must_fall_on_blocks() -> None:
     with pytest.raises(ValueError, match="outside"):
         mom.chunk(900, 200)
     with pytest.raises(ValueError, match="moment_dtype"):
-        M.Moments.zeros(10, "fp8")
+        M.Moments.zeros(10, "fp8", names=ADAM)
     with pytest.raises(ValueError, match="convert"):
-        mom.copy_(M.Moments.zeros(1000, "bf16"))
+        mom.copy_(M.Moments.zeros(1000, "bf16", names=ADAM))
 
 
 @pytest.mark.parametrize("md", ["fp32", *COMPACT])
@@ -483,7 +554,7 @@ def test_torch_pool_and_own_pool_give_the_same_bits(ext, md: str) -> None:
         for torch_pool in (True, False):
             gen = torch.Generator().manual_seed(2)
             p, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()
-            mom = M.Moments.from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen),
+            mom = from_fp32(torch.randn(n, generator=gen), torch.rand(n, generator=gen),
                                       md)
             out = torch.empty(n, dtype=torch.bfloat16)
             ext.fused_adamw(p, g, mom.exp_avg, mom.exp_avg_sq, out, 3, 1e-3, 0.9, 0.999, 1e-8,

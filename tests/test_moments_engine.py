@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_zero_offload import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.core.checkpoint import formats
-from lightning_zero_offload.ops import Moments
+from lightning_zero_offload.ops import ADAM, Moments
 from lightning_zero_offload.testing import emulated_async_device
 
 DTYPES = ("fp32", "bf16", "int8")
@@ -194,7 +194,7 @@ def test_torch_adamw_state_loads_into_an_int8_engine_quantized() -> None:
         if slot.group == 0:
             m32[slot.offset: slot.offset + slot.numel] = sd[slot.index]["exp_avg"].reshape(-1)
             v32[slot.offset: slot.offset + slot.numel] = sd[slot.index]["exp_avg_sq"].reshape(-1)
-    q = Moments.from_fp32(m32, v32, "int8")
+    q = Moments.from_fp32(m32, v32, "int8", names=ADAM)
     assert torch.equal(full["exp_avg"], q.exp_avg) and torch.equal(full["exp_avg_sq"], q.exp_avg_sq)
     assert torch.equal(full["exp_avg_scales"], q.exp_avg_scales)
 

@@ -17,7 +17,13 @@ import torch
 from lightning_zero_offload import ops
 from lightning_zero_offload.ops import _build
 from lightning_zero_offload.ops import moments as M
-from lightning_zero_offload.ops._reference import fused_adamw_reference_
+from lightning_zero_offload.ops.adamw import STATE as ADAM
+from lightning_zero_offload.ops.adamw import fused_adamw_reference_
+
+
+def from_fp32(*args):
+    """Adam's state from fp32 arrays (``Moments.from_fp32`` with its names and codes)."""
+    return M.Moments.from_fp32(*args, names=ADAM)
 
 HALF = [pytest.param(torch.bfloat16, id="gbf16"), pytest.param(torch.float16, id="gf16")]
 # vector widths 8 and 16, the 8-bit block (256), thread chunks (65536) all cut by these
@@ -76,7 +82,7 @@ def _state(n: int, md: str, steps: int) -> tuple[torch.Tensor, M.Moments, list[t
     p = torch.randn(n, generator=gen)
     # moments over 8 decades, so the 8-bit codes' small values are used
     spread = torch.exp(torch.empty(n).uniform_(-9, 0, generator=gen))
-    mom = M.Moments.from_fp32(torch.randn(n, generator=gen) * spread,
+    mom = from_fp32(torch.randn(n, generator=gen) * spread,
                               torch.rand(n, generator=gen) * spread**2, md)
     grads = [torch.randn(n, generator=gen) * 3 * spread.sqrt() for _ in range(steps)]
     return p, mom, grads
@@ -89,7 +95,7 @@ def _run(fn, isa: str | None, n: int, md: str, grad_dtype: torch.dtype, *, inpla
     Returns [param, exp_avg, exp_avg_sq, out, scales...]."""
     p0, mom0, grads = _state(n, md, steps)
     p = p0.clone()
-    mom = M.Moments.zeros(n, md)
+    mom = M.Moments.zeros(n, md, names=ADAM)
     mom.copy_(mom0)
     buf = torch.empty(n, dtype=grad_dtype)  # the in-place buffer: gradient in, weights out
     out = buf if inplace else torch.empty(n, dtype=grad_dtype)
@@ -137,7 +143,7 @@ def test_inplace_equals_separate_out_threads(path: str, grad_dtype: torch.dtype,
 
 
 def _args(n: int = 300) -> dict:
-    mom = M.Moments.zeros(n, "bf16")
+    mom = M.Moments.zeros(n, "bf16", names=ADAM)
     return dict(param=torch.randn(n), grad=torch.randn(n).bfloat16(), **mom.kernel_args())
 
 
@@ -199,9 +205,10 @@ def test_inplace_output_is_the_new_weights() -> None:
     # after the step the one buffer holds the weights, exactly as a separate out would
     n = 1000
     p, buf = torch.randn(n), torch.randn(n).bfloat16()
-    mom = M.Moments.zeros(n, "fp32")
+    mom = M.Moments.zeros(n, "fp32", names=ADAM)
     p2, g2 = p.clone(), buf.clone()
     ops.fused_adamw_(p, buf, step=1, lr=1e-2, out=buf, **mom.kernel_args())
-    ops.fused_adamw_(p2, g2, step=1, lr=1e-2, **M.Moments.zeros(n, "fp32").kernel_args())
+    fresh = M.Moments.zeros(n, "fp32", names=ADAM)
+    ops.fused_adamw_(p2, g2, step=1, lr=1e-2, **fresh.kernel_args())
     assert torch.equal(p, p2)
     assert torch.equal(buf, p2.bfloat16())

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightning_zero_offload.core.adam import Adam, Hyper
-from lightning_zero_offload.ops import Moments
+from lightning_zero_offload.core.rules import RULES, rule_for, rule_named
+from lightning_zero_offload.ops import MOMENT_DTYPES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lightning_zero_offload"
 
@@ -30,7 +31,7 @@ def test_device_update_equals_the_host_kernel(decoupled: bool, grad_dtype: torch
     master, grads = _case(n, grad_dtype)
     hp = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, decoupled=decoupled)
     host_p, dev_p = master.clone(), master.clone()
-    host_m = Moments.zeros(n, "fp32")
+    host_m = Adam().zeros(n, "fp32")
     m, v = torch.zeros(n), torch.zeros(n)
     for step, grad in enumerate(grads, start=1):
         kept = grad.clone()
@@ -80,8 +81,51 @@ def test_the_state_names_are_torchs() -> None:
     opt = torch.optim.AdamW([p])
     p.grad = torch.ones(3)
     opt.step()
-    assert set(opt.state_dict()["state"][0]) == {"step", *Adam.STATE}
+    assert set(opt.state_dict()["state"][0]) == {"step", *Adam().names}
     assert Adam.host_bytes(256, "fp32") == 8 * 256
+
+
+def _engine_and_planner_rules():
+    """(rule of a user's optimizer, the planner's rule from its name and options) pairs."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    pairs = [(torch.optim.AdamW([p]), "adamw", {}),
+             (torch.optim.Adam([p]), "adamw", {"decoupled_weight_decay": False})]
+    try:
+        import lion_pytorch
+    except ImportError:
+        lion_pytorch = None
+    if lion_pytorch is not None:
+        pairs += [(lion_pytorch.Lion([p]), "lion", {}),
+                  (lion_pytorch.Lion([p], lr=1e-2, decoupled_weight_decay=True), "lion",
+                   {"lr": 1e-2, "decoupled_weight_decay": True})]
+    return [(rule_for(opt), rule_named(key, **options)) for opt, key, options in pairs]
+
+
+def test_the_planners_rule_is_the_engines() -> None:
+    """No option of Adam or Lion changes their state's shape, so the rule the planner makes
+    from an optimizer's name and options (no optimizer built) and the engine's rule of that
+    optimizer are the same: same options, state, bytes on host and device, zeros."""
+    pairs = _engine_and_planner_rules()
+    assert {type(engine) for engine, _ in pairs} == (set(RULES) if len(pairs) > 2 else {Adam})
+    for engine, planner in pairs:
+        assert type(planner) is type(engine) and vars(planner) == vars(engine)
+        assert planner.state == engine.state and planner.names == tuple(engine.state)
+        assert planner.device_bytes() == engine.device_bytes() == 4 * len(engine.names)
+        for md in MOMENT_DTYPES:
+            assert planner.host_bytes(1000, md) == engine.host_bytes(1000, md)
+            zeros = planner.zeros(1000, md)
+            assert zeros.nbytes == engine.host_bytes(1000, md) and zeros.names == engine.names
+
+
+def test_the_planners_rule_checks_its_options_as_the_engines() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="amsgrad=True") as engine:
+        rule_for(torch.optim.AdamW([p], amsgrad=True))
+    with pytest.raises(ValueError, match="amsgrad=True") as planner:
+        rule_named("adamw", amsgrad=True)
+    assert str(planner.value) == str(engine.value)
+    with pytest.raises(ValueError, match="unknown update rule 'sgd9'"):
+        rule_named("sgd9")
 
 
 def _package_imports(path: Path) -> set[str]:

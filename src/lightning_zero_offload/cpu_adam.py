@@ -26,7 +26,8 @@ from lightning_zero_offload.ops import BLOCK, MOMENT_DTYPES, Moments, fused_adam
 
 __all__ = ["CPUAdam"]
 
-_NAMES = Adam.STATE  # torch's, in order
+_RULE = Adam()
+_NAMES = _RULE.names  # torch's, in order
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -115,7 +116,7 @@ class CPUAdam(torch.optim.Optimizer):
             state = self.state[p]
             if len(state) == 0:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                mom = Moments.zeros(p.numel(), self.moment_dtype)
+                mom = _RULE.zeros(p.numel(), self.moment_dtype)
                 _put(state, mom, p)
             step = int(state["step"].item()) + 1
             beta1, beta2 = group["betas"]
@@ -187,7 +188,7 @@ def _moments(state: dict[str, Any]) -> Moments:
         # back as exact small floats
         flat = {n: t.to(torch.uint8) for n, t in flat.items()}
         flat.update({_scales(n): state[_scales(n)].float().reshape(-1) for n in _NAMES})
-    return Moments.named(fmt, flat)
+    return _RULE.named(fmt, flat)
 
 
 def _put(state: dict[str, Any], mom: Moments, p: torch.Tensor) -> None:
@@ -202,7 +203,7 @@ def _convert(state: dict[str, Any], moment_dtype: str) -> None:
     mom = _moments(state)
     if mom.moment_dtype != moment_dtype:
         # fp32 may be a bf16 state that torch's loader widened: narrowing it again is exact
-        mom = Moments.from_fp32(*mom.to_fp32(), moment_dtype)
+        mom = _RULE.from_fp32(mom.to_fp32(), moment_dtype)
     _put(state, mom, p_like)
 
 

@@ -1,8 +1,8 @@
 """The Adam rule: AdamW (decoupled weight decay) or Adam (L2 decay), ``torch.optim``'s.
 
 Its state is torch's two moments, ``exp_avg`` and ``exp_avg_sq``, kept on the host in any
-``moment_dtype`` (``ops.moments``). The host update is the fused C++ kernel
-(``ops.fused_adamw_``); the device update is torch's fused ``_fused_adamw_`` / ``_fused_adam_``,
+``moment_dtype`` (``ops.moments``). The host update is the fused C++ kernel (its face:
+``ops.adamw``); the device update is torch's fused ``_fused_adamw_`` / ``_fused_adam_``,
 equal to the kernel to fp32 rounding.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.rule import Rule, check_keeps_step
-from lightning_zero_offload.ops import Moments, fused_adamw_
+from lightning_zero_offload.ops import Moments, adamw
 
 _UNSUPPORTED = {
     "amsgrad": "amsgrad=True",
@@ -53,7 +54,8 @@ def _check_options(groups: list[dict], now: bool) -> None:
 class Adam(Rule):
     NAME = "Adam/AdamW"
     KEY = "adamw"
-    STATE = ("exp_avg", "exp_avg_sq")
+    CODES = adamw.STATE
+    STATE = tuple(CODES)
     OPTIMIZERS = "torch.optim.AdamW and torch.optim.Adam"
     FAMILY = "adam"
     EXAMPLE = "torch.optim.AdamW(model.parameters(), ...)"
@@ -67,6 +69,13 @@ class Adam(Rule):
         check_keeps_step(optimizer, torch.optim.Adam, "torch.optim.AdamW/Adam")
         _check_options(optimizer.param_groups, now=False)
         return cls(isinstance(optimizer, torch.optim.AdamW))
+
+    @classmethod
+    def from_options(cls, **options: Any) -> Adam:
+        """``torch.optim.AdamW(params, **options)``'s rule (``decoupled_weight_decay=False``:
+        Adam's L2 decay)."""
+        _check_options([options], now=False)
+        return cls(bool(options.get("decoupled_weight_decay", True)))
 
     @classmethod
     def accepts(cls, optimizer: torch.optim.Optimizer) -> bool:
@@ -98,7 +107,7 @@ class Adam(Rule):
 
     def host_update(self, master: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
                     grad_scale: float, out: Tensor | None, threads: int, seed: int) -> None:
-        fused_adamw_(master, grad, grad_scale=grad_scale, out=out, num_threads=threads,
+        adamw.fused_adamw_(master, grad, grad_scale=grad_scale, out=out, num_threads=threads,
                      seed=seed, step=step, **state.kernel_args(), **hp.kernel_args())
 
     def device_update(self, master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Hyper, *,

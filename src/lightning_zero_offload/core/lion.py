@@ -9,9 +9,9 @@ the gradient::
 
 ``wd`` is the group's ``weight_decay``, divided by the optimizer's initial ``lr`` when it was made
 with ``decoupled_weight_decay=True``, as lion_pytorch does. The host update is the fused C++
-kernel (``src/kernels/lion.h``; :func:`fused_lion_`), the device update torch's ops in the same
-order; both follow lion_pytorch's fp32 arithmetic. ``lion_pytorch`` is needed only by the user
-who builds the optimizer: this module never imports it.
+kernel (its face: ``ops.lion``), the device update torch's ops in the same order
+(``ops.lion.lion_torch_``); both follow lion_pytorch's fp32 arithmetic. ``lion_pytorch`` is
+needed only by the user who builds the optimizer: this module never imports it.
 """
 
 from __future__ import annotations
@@ -20,16 +20,13 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload import ops
 from lightning_zero_offload.core.rule import Rule, check_keeps_step, qualified
-from lightning_zero_offload.ops import Moments, rng_key
-
-_GRAD = (torch.float32, torch.bfloat16, torch.float16)
-_STORED = (torch.float32, torch.bfloat16, torch.uint8)
+from lightning_zero_offload.ops import Moments, lion
 
 
 @dataclass(frozen=True)
@@ -40,6 +37,9 @@ class Hyper:
     betas: tuple[float, float]
     decay: float  # 1 - lr * wd, in double as lion_pytorch computes it
 
+    def kernel_args(self) -> dict:
+        return {"lr": self.lr, "betas": self.betas, "decay": self.decay}
+
 
 def _lion_class() -> type | None:
     module = sys.modules.get("lion_pytorch")  # imported by whoever made a Lion optimizer
@@ -49,7 +49,8 @@ def _lion_class() -> type | None:
 class Lion(Rule):
     NAME = "Lion"
     KEY = "lion"
-    STATE = ("exp_avg",)
+    CODES = lion.STATE
+    STATE = tuple(CODES)
     OPTIMIZERS = "lion_pytorch.Lion"
     FAMILY = "lion"
     EXAMPLE = "lion_pytorch.Lion(model.parameters(), ...)"
@@ -81,6 +82,12 @@ class Lion(Rule):
         init_lr = float(getattr(optimizer, "_init_lr", 1.0))
         return cls(init_lr if getattr(optimizer, "decoupled_wd", False) else 1.0)
 
+    @classmethod
+    def from_options(cls, **options: Any) -> Lion:
+        """``lion_pytorch.Lion(params, **options)``'s rule."""
+        lr = float(options.get("lr", cls.DEFAULTS["lr"]))
+        return cls(lr if options.get("decoupled_weight_decay", False) else 1.0)
+
     def check_hparams(self, groups: list[dict]) -> None:
         for i, g in enumerate(groups):
             try:
@@ -105,65 +112,12 @@ class Lion(Rule):
 
     def host_update(self, master: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
                     grad_scale: float, out: Tensor | None, threads: int, seed: int) -> None:
-        fused_lion_(master, grad, state, hp, step=step, grad_scale=grad_scale, out=out,
-                    num_threads=threads, seed=seed)
+        lion.fused_lion_(master, grad, step=step, grad_scale=grad_scale, out=out,
+                         num_threads=threads, seed=seed, **state.kernel_args(), **hp.kernel_args())
 
     def device_update(self, master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Hyper, *,
                       step: int, grad_scale: float) -> None:
         (exp_avg,) = state
         g = grad.float().mul_(grad_scale) if grad.dtype != torch.float32 else grad.mul(grad_scale)
-        _lion_torch_(master, g, exp_avg, hp)
+        lion.lion_torch_(master, g, exp_avg, **hp.kernel_args())
 
-
-def _lion_torch_(p: Tensor, g: Tensor, m: Tensor, hp: Hyper) -> None:
-    """lion_pytorch's update in torch ops (fp32 tensors, ``g`` already scaled)."""
-    b1, b2 = hp.betas
-    p.mul_(hp.decay)
-    p.add_(m.mul(b1).add_(g, alpha=1.0 - b1).sign_(), alpha=-hp.lr)
-    m.mul_(b2).add_(g, alpha=1.0 - b2)
-
-
-def fused_lion_(param: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
-                grad_scale: float = 1.0, out: Tensor | None = None,
-                num_threads: int | None = None, seed: int = 0) -> None:
-    """One Lion step in place over flat CPU tensors by the fused kernel (the pure-torch
-    reference where it is not built). ``state``: the ``exp_avg`` chunk (``Lion.zeros``); a
-    compact one is rounded stochastically from ``(seed, step, state.offset + i)``. ``out``
-    (bf16/fp16, or ``grad`` itself) receives the new weights rounded to nearest even. Every
-    argument is checked before anything is written."""
-    fn = "fused_lion_"
-    ops.check_tensor("param", param, (torch.float32,), None, fn)
-    n = param.numel()
-    ops.check_tensor("grad", grad, _GRAD, n, fn)
-    (m,) = state.arrays.values()
-    ops.check_tensor("exp_avg", m, _STORED, n, fn)
-    scales = state.scales.get("exp_avg")
-    if out is not None:
-        ops.check_tensor("out", out, _GRAD[1:], n, fn)
-        if out.data_ptr() != grad.data_ptr() and n and (
-                out.data_ptr() < grad.data_ptr() + grad.nbytes
-                and grad.data_ptr() < out.data_ptr() + out.nbytes):
-            raise ValueError(f"{fn}: `out` overlaps `grad` but is not exactly `grad`")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{fn}: `step` must be an int >= 1 (1-based), got {step!r}")
-    key = rng_key(seed, step) if m.dtype != torch.float32 else 0
-    threads, torch_pool = ops.pool(num_threads)
-    ext = ops.kernel()
-    if ext is None:
-        _reference_(param, grad, state, hp, grad_scale=grad_scale, out=out, key=key)
-        return
-    ext.fused_lion(param, grad, m, out, hp.lr, hp.betas[0], hp.betas[1], hp.decay,
-                   float(grad_scale), threads, scales, key, state.offset, torch_pool)
-
-
-def _reference_(param: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, grad_scale: float,
-                out: Tensor | None, key: int) -> None:
-    """The kernel's semantics in torch: lion_pytorch's fp32 update on the dequantized moment,
-    stored back with the kernels' stochastic rounding. ``out`` may be ``grad`` itself: ``grad``
-    is read first."""
-    g = grad.float() * grad_scale
-    (m,) = state.to_fp32()
-    _lion_torch_(param, g, m, hp)
-    state.round_from_((m,), key)
-    if out is not None:
-        out.copy_(param)

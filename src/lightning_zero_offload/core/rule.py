@@ -1,9 +1,10 @@
 """What an update rule is: the one seam between the engine and the arithmetic of a step.
 
 A rule owns its state's shape and nothing of the engine: the names of its per-parameter state
-(:attr:`Rule.STATE`, as torch's ``state_dict`` spells them), their bytes on the host for each
-``moment_dtype`` and on the device, their zeros and their fp32 form, which optimizers it takes
-and their hyperparameter check, and two implementations of one update with the same semantics:
+(:attr:`Rule.state`, as torch's ``state_dict`` spells them, each with its 8-bit code), their bytes
+on the host for each ``moment_dtype`` and on the device, their zeros and their fp32 form, which
+optimizers it takes and their hyperparameter check, and two implementations of one update with
+the same semantics:
 
 - :meth:`Rule.host_update`: a fused C++ kernel (or its pure-torch reference) over flat host
   tensors, the state in any ``moment_dtype``, the new half weights optionally written in the
@@ -13,20 +14,51 @@ and their hyperparameter check, and two implementations of one update with the s
 
 Both take the gradient as it arrived and a ``grad_scale`` (loss-scale inverse times clip
 coefficient) that multiplies it before anything else, and a 1-based ``step``. One instance per
-engine, made from the user's optimizer by the registry (``core.rules.rule_for``); the engine,
-its checkpoints, budgets and the planner ask it and never spell a state name or a byte count.
+engine, made from the user's optimizer by the registry (``core.rules.rule_for``; the planner's
+from an optimizer's name and options, ``core.rules.rule_named``). The state's shape is the
+instance's (an optimizer's options may change it); the engine, its checkpoints, budgets and the
+planner ask it and never spell a state name or a byte count.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.ops import Moments, moment_bytes
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class _of_instance(Generic[_P, _R]):
+    """A method of the rule instance that, looked up on a rule class, runs on the class's
+    default instance ``cls()``. Transitional: for callers that still hand a rule's class where
+    its instance belongs (``core/setup.py`` passes ``type(rule)``); it goes once none does."""
+
+    def __init__(self, fn: Callable[Concatenate[Any, _P], _R]) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, rule: Rule | None, cls: type[Rule]) -> Callable[_P, _R]:
+        return functools.partial(self.fn, rule if rule is not None else cls())
+
+
+class _property_of_instance(Generic[_R]):
+    """A property of the rule instance; on a rule class, its default instance's (as
+    :class:`_of_instance`, and transitional with it)."""
+
+    def __init__(self, fn: Callable[[Any], _R]) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, rule: Rule | None, cls: type[Rule]) -> _R:
+        return self.fn(rule if rule is not None else cls())
 
 
 def unwrapped(fn: object) -> object:
@@ -55,11 +87,15 @@ def check_keeps_step(optimizer: torch.optim.Optimizer, base: type, what: str) ->
 class Rule(ABC):
     """One update rule, configured for one optimizer by :meth:`for_optimizer` (after
     :meth:`accepts`), which checks its options (``TypeError``/``ValueError`` naming what to
-    change); ``Rule()`` is the rule with its defaults (the planner's)."""
+    change), or for an optimizer's options alone by :meth:`from_options` (the planner's);
+    ``Rule()`` is the rule with its defaults."""
 
     NAME: ClassVar[str]  # as users know it, in messages: "Adam/AdamW", "Lion"
-    KEY: ClassVar[str]  # recorded in checkpoints: "adam", "lion"
-    STATE: ClassVar[tuple[str, ...]]  # per-parameter state besides "step", torch's names
+    KEY: ClassVar[str]  # recorded in checkpoints: "adamw", "lion"
+    # The default per-parameter state besides "step": torch's names, and each one's 8-bit code
+    # (ops.SIGNED, ops.SQRT). An instance's state is :attr:`state` (names: :attr:`names`).
+    STATE: ClassVar[tuple[str, ...]]
+    CODES: ClassVar[Mapping[str, str]]
     OPTIMIZERS: ClassVar[str]  # what users pass, for messages: "torch.optim.AdamW or Adam"
     FAMILY: ClassVar[str]  # in the class name of an optimizer of this kind: "adam", "lion"
     EXAMPLE: ClassVar[str]  # the advice to such a user: "torch.optim.AdamW(model.parameters())"
@@ -75,31 +111,51 @@ class Rule(ABC):
     def accepts(cls, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` is one of this rule's (its options are checked by ``cls``)."""
 
+    @classmethod
+    def from_options(cls, **options: Any) -> Rule:
+        """The rule of an optimizer of this kind made with ``options`` (its constructor's
+        keyword arguments), checked as :meth:`for_optimizer` checks them, with no optimizer
+        made: what the planner plans. Options that change nothing of the rule (the groups'
+        hyperparameters) are ignored; none: ``cls()``, the rule with its defaults."""
+        return cls()
+
     # --- the state's shape: names, bytes, zeros and the fp32 form --------------------------
 
-    @classmethod
-    def device_bytes(cls) -> int:
+    @_property_of_instance
+    def state(self) -> Mapping[str, str]:
+        """This rule's per-parameter state: torch's names, each with its 8-bit code (a rule
+        whose options change its state overrides this)."""
+        return {name: self.CODES[name] for name in self.STATE}
+
+    @_property_of_instance
+    def names(self) -> tuple[str, ...]:
+        """The state's names, in order."""
+        return tuple(self.state)
+
+    @_of_instance
+    def device_bytes(self) -> int:
         """Bytes per element of the state on the device: fp32, whatever ``moment_dtype``."""
-        return 4 * len(cls.STATE)
+        return 4 * len(self.state)
 
-    @classmethod
-    def host_bytes(cls, numel: int, moment_dtype: str) -> int:
+    @_of_instance
+    def host_bytes(self, numel: int, moment_dtype: str) -> int:
         """Exact host bytes of the state of ``numel`` elements (block scales included)."""
-        return moment_bytes(numel, moment_dtype, len(cls.STATE))
+        return moment_bytes(numel, moment_dtype, len(self.state))
 
-    @classmethod
-    def zeros(cls, numel: int, moment_dtype: str, *, pin_memory: bool = False) -> Moments:
-        return Moments.zeros(numel, moment_dtype, names=cls.STATE, pin_memory=pin_memory)
+    @_of_instance
+    def zeros(self, numel: int, moment_dtype: str, *, pin_memory: bool = False) -> Moments:
+        """The initial state of ``numel`` elements (:meth:`host_bytes` bytes)."""
+        return Moments.zeros(numel, moment_dtype, names=self.state, pin_memory=pin_memory)
 
-    @classmethod
-    def from_fp32(cls, arrays: Sequence[Tensor], moment_dtype: str) -> Moments:
-        """fp32 arrays in :attr:`STATE` order as ``moment_dtype``, rounded to nearest."""
-        return Moments.from_fp32(*arrays, moment_dtype, names=cls.STATE)
+    @_of_instance
+    def from_fp32(self, arrays: Sequence[Tensor], moment_dtype: str) -> Moments:
+        """fp32 arrays in :attr:`names` order as ``moment_dtype``, rounded to nearest."""
+        return Moments.from_fp32(*arrays, moment_dtype, names=self.state)
 
-    @classmethod
-    def named(cls, moment_dtype: str, fields: Mapping[str, Any]) -> Moments:
+    @_of_instance
+    def named(self, moment_dtype: str, fields: Mapping[str, Any]) -> Moments:
         """The state from tensors by name, as a checkpoint stores them."""
-        return Moments.named(moment_dtype, fields, cls.STATE)
+        return Moments.named(moment_dtype, fields, self.state)
 
     # --- one step ------------------------------------------------------------------------
 
@@ -122,4 +178,4 @@ class Rule(ABC):
     def device_update(self, master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Any, *,
                       step: int, grad_scale: float) -> None:
         """The same step over fp32 tensors on one device by torch ops; ``state`` in
-        :attr:`STATE` order; ``grad`` itself is left as it is."""
+        :attr:`names` order; ``grad`` itself is left as it is."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lightning_zero_offload.core.adam import Adam
@@ -21,15 +23,22 @@ def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
     # class name says, or lists every rule's.
     near = [r for r in RULES if r.FAMILY in kind.__name__.lower()] or list(RULES)
     raise TypeError(
-        f"ZeroOffload supports {', '.join(r.OPTIMIZERS for r in RULES)} only, and their "
+        f"ZeroOffload supports {supported()} only, and their "
         "subclasses that keep their update (the fused CPU step implements exactly those); got "
         f"{qualified(kind)}. Create the optimizer with "
         f"{' or '.join(r.EXAMPLE for r in near)}")
 
 
-def rule_named(key: str) -> type[Rule]:
-    """The rule a checkpoint or a plan names by its key (``"adamw"``, ...)."""
+def rule_named(key: str, **options: Any) -> Rule:
+    """The rule a checkpoint or a plan names by its key (``"adamw"``, ``"lion"``, ...), for an
+    optimizer of that kind made with ``options`` (none: its defaults), without one."""
     for cls in RULES:
         if cls.KEY == key:
-            return cls
+            return cls.from_options(**options)
     raise ValueError(f"unknown update rule {key!r}; known: {[r.KEY for r in RULES]}")
+
+
+def supported() -> str:
+    """Every optimizer the engine takes, for messages (the registry's, in its order):
+    "torch.optim.AdamW and torch.optim.Adam, lion_pytorch.Lion"."""
+    return ", ".join(r.OPTIMIZERS for r in RULES)

@@ -72,6 +72,18 @@ def random_bits(key: int, offset: int, numel: int) -> torch.Tensor:
     return _hash32(idx)
 
 
+def word_key(key: int, word: int) -> int:
+    """The key of random word ``word`` of an element: state array j rounds with the low
+    (j even) or high (j odd) 16 bits of word j // 2. Word 0 is the step's key itself (the
+    kernel's, which holds at most two arrays); word w > 0 a key of its own, hashed from both."""
+    return key if word == 0 else _hash32_int(key ^ _hash32_int(word ^ 0x9E3779B9))
+
+
+def half(word: torch.Tensor, array: int) -> torch.Tensor:
+    """State array ``array``'s 16 rounding bits of its word (:func:`word_key`)."""
+    return (word >> 16) if array % 2 else (word & 0xFFFF)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32).to(torch.int64) & _MASK
 

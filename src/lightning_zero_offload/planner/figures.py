@@ -105,7 +105,7 @@ def _buckets(trained: int, precision: str, world_size: int, bucket_bytes: int,
 
 def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
             bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str,
-            accumulate: bool, on_device: int, rule: type[Rule]) -> tuple[dict, dict]:
+            accumulate: bool, on_device: int, rule: Rule) -> tuple[dict, dict]:
     """(device breakdown, host breakdown) for these counts, the last ``on_device`` buckets'
     optimizer state on the device (``split``). The host side is the engine's own sizing
     (``core.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``, for a
@@ -119,8 +119,9 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     buckets = _buckets(trained, precision, world_size, bucket_bytes, moment_dtype)
     shards = [b // world_size for b in buckets]
     hosted = shards[: len(shards) - on_device]
+    # type(rule): core.host and core.device_budget still take a rule's class (its default)
     sizes = plan_counts([sum(hosted)], hosted, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu, rule=rule, moment_dtype=moment_dtype,
+                        pinned=not cpu, rule=type(rule), moment_dtype=moment_dtype,
                         accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
@@ -131,7 +132,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             trained=trained, max_bucket=max(buckets, default=0),
             max_shard=max(shards, default=0), world_size=world_size,
             resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate,
-            rule=rule)
+            rule=type(rule))
         if frozen:
             dev["weights"] = dev.get("weights", 0) + h * frozen
         if activations:
@@ -383,7 +384,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
 
 
 def _async_copies(trained: int, world_size: int, moment_dtype: str, on_device: int,
-                  rule: type[Rule]) -> dict[str, int]:
+                  rule: Rule) -> dict[str, int]:
     """Bytes an asynchronous save copies (``core.checkpoint.pending``): a sharded save a rank's
     shard as it is saved (fp32 master; the moments as held, fp32 where a device part is), a
     consolidated one the whole model's fp32 master and moments, on rank 0."""

@@ -16,14 +16,14 @@ from lightning_zero_offload.core import device_budget
 from lightning_zero_offload.core.rule import Rule
 
 
-def device_step_bytes(h: int, rule: type[Rule]) -> int:
+def device_step_bytes(h: int, rule: Rule) -> int:
     """Device memory traffic of one device-resident element's step: the fp32 master and the
     rule's fp32 state read and written (``2 * device_budget.state``: 24 for Adam), the gradient
     read and the half weights written in the compute dtype (``h`` each)."""
-    return 2 * device_budget.state(rule) + 2 * h
+    return 2 * device_budget.state(type(rule)) + 2 * h  # its class until it takes the instance
 
 
-def measure_kernel(precision: str, threads: int, rule: type[Rule], seconds: float = 0.2,
+def measure_kernel(precision: str, threads: int, rule: Rule, seconds: float = 0.2,
                    numel: int = 4 * 2**20, moment_dtype: str = "fp32") -> float:
     """Parameters per second of the rule's kernel on this host (fp32 master, its state in
     ``moment_dtype``, the gradient and weight output in the compute dtype), timed for about
@@ -37,12 +37,11 @@ def measure_kernel(precision: str, threads: int, rule: type[Rule], seconds: floa
     p, state = torch.randn(numel), rule.zeros(numel, moment_dtype)
     g = torch.randn(numel).to(dtype)
     out = torch.empty(numel, dtype=dtype) if half else None
-    r = rule()
-    hp = r.hyper(rule.DEFAULTS)
+    hp = rule.hyper(rule.DEFAULTS)
 
     def run(step: int) -> None:
-        r.host_update(p, g, state, hp, step=step, grad_scale=1.0, out=out, threads=threads,
-                      seed=0)
+        rule.host_update(p, g, state, hp, step=step, grad_scale=1.0, out=out, threads=threads,
+                         seed=0)
 
     run(1)  # build/load the kernel and touch every page
     steps, start = 0, time.perf_counter()
@@ -54,7 +53,7 @@ def measure_kernel(precision: str, threads: int, rule: type[Rule], seconds: floa
             return steps * numel / elapsed
 
 
-def measure_device_step(precision: str, rule: type[Rule], numel: int = 16 * 2**20,
+def measure_device_step(precision: str, rule: Rule, numel: int = 16 * 2**20,
                         seconds: float = 0.2) -> float | None:
     """Elements per second of the engine's device step (``Rule.device_update``: torch ops over
     fp32 master and state, the gradient in the compute dtype) plus the half weights written out,
@@ -67,14 +66,13 @@ def measure_device_step(precision: str, rule: type[Rule], numel: int = 16 * 2**2
         return None
     dev, dtype = torch.device("cuda"), PRECISIONS[precision]
     master = torch.randn(numel, device=dev)
-    state = [torch.rand(numel, device=dev) for _ in rule.STATE]  # >= 0: a second moment too
+    state = [torch.rand(numel, device=dev) for _ in rule.names]  # >= 0: a second moment too
     grad = torch.randn(numel, device=dev).to(dtype)
     out = torch.empty(numel, device=dev, dtype=dtype)
-    r = rule()
-    hp = r.hyper(rule.DEFAULTS)
+    hp = rule.hyper(rule.DEFAULTS)
 
     def run(step: int) -> None:
-        r.device_update(master, grad, state, hp, step=step, grad_scale=1.0)
+        rule.device_update(master, grad, state, hp, step=step, grad_scale=1.0)
         out.copy_(master)
 
     run(1)
