@@ -7,7 +7,10 @@ step counts per group and per parameter (``"param_steps"``, in layout order; bef
 ``/3`` the group's), hyperparameters, the loss scaler and the layout that produced it. The
 layout lets :func:`consolidate` rebuild the full, world-size-independent form from all shards:
 a fp32 model state_dict plus an optimizer state_dict in torch's format (``torch.optim.AdamW``'s
-for Adam; every parameter's entry carries its ``"step"``, which ``lion_pytorch.Lion`` ignores).
+for Adam; every parameter's entry carries its ``"step"``, which ``lion_pytorch.Lion`` ignores),
+the rule's key beside its ``"state"`` and ``"param_groups"`` (``"rule"``, which torch's
+``load_state_dict`` ignores; a form without it, a plain torch optimizer's or one saved before
+the key, is read as the rule its state's names say).
 Files, checksums and atomic publishing are ``files``'s; the checks of a loaded state are
 ``validation``'s.
 """
@@ -28,6 +31,7 @@ SHARD_FORMATS = ("lightning_zero_offload.shard/1", "lightning_zero_offload.shard
 FULL_FORMAT = "lightning_zero_offload.full/1"
 DIR_FORMAT = "lightning_zero_offload.dir/1"
 MOMENT_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+RULE = "rule"  # the update rule's key, in a shard and in a consolidated form's optimizer state
 
 
 class CheckpointError(ValueError):
@@ -44,12 +48,24 @@ def shard_moment_dtype(shard: dict) -> str:
     return shard.get("moment_dtype", "fp32")
 
 
-def shard_rule(shard: dict) -> type[Rule]:
+def shard_rule(shard: dict) -> Rule:
     """The update rule that wrote a shard (shards before the key were Adam's)."""
+    return named_rule(shard.get("rule", "adamw"), "shard")
+
+
+def named_rule(key: object, where: str) -> Rule:
+    """The rule a checkpoint records by its key (``where``: the part that records it)."""
     try:
-        return rule_named(shard.get("rule", "adamw"))
+        return rule_named(str(key))
     except ValueError as e:
-        raise CheckpointError(f"the shard's {e}; use another checkpoint") from None
+        raise CheckpointError(f"the {where}'s {e}; use another checkpoint") from None
+
+
+def optimizer_rule(optimizer: dict) -> Rule | None:
+    """The rule a consolidated form's optimizer state records (None: not recorded, a plain
+    torch optimizer's state or one saved before the key)."""
+    key = optimizer.get(RULE)
+    return None if key is None else named_rule(key, "optimizer state")
 
 
 def param_steps(shard: dict) -> list[int]:
@@ -91,7 +107,8 @@ def consolidate(shards: list[dict]) -> dict:
             f"consolidate: the checkpoint was written by {world} ranks but shards for ranks "
             f"{sorted(by_rank)} were found; all {world} shard files are needed"
         )
-    names = shard_rule(shards[0]).STATE
+    rule = shard_rule(shards[0])
+    names = rule.names
     keys = ("master", *names)
     flats = {k: [torch.zeros(n) for n in desc["group_numel"]] for k in keys}
     for g, start, numel, host in desc["buckets"]:
@@ -103,29 +120,36 @@ def consolidate(shards: list[dict]) -> dict:
             state = group_moments(by_rank[r], g).chunk(host, size).to_fp32()
             for name, x in zip(names, state, strict=True):
                 flats[name][g][sl] = x
-    return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"], names)
+    return assemble(desc, flats, param_steps(shards[0]), shards[0]["param_groups"], rule)
 
 
 def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
-             hparams: list[dict], names: tuple[str, ...]) -> dict:
+             hparams: list[dict], rule: Rule) -> dict:
     """Full state from full flat fp32 buffers per group (``flats[key][group]``) and the steps
     per parameter (layout order; a parameter that never had a gradient gets no state, as in
-    torch); without ``"master"`` the model is empty, without the rule's state (``names``)
-    the optimizer state."""
+    torch); without ``"master"`` the model is empty, without ``rule``'s state the optimizer
+    state."""
+    names = rule.names
     model: dict[str, Tensor] = {}
     state: dict[int, dict] = {}
     for (name, g, index, offset, numel, shape), step in zip(desc["params"], steps, strict=True):
         sl = slice(offset, offset + numel)
         if "master" in flats:
             model[name] = flats["master"][g][sl].view(shape).clone()
-        if step > 0 and names[0] in flats:
+        if step > 0 and all(n in flats for n in names):
             state[index] = {"step": torch.tensor(float(step)), **{
                 n: flats[n][g][sl].view(shape).clone() for n in names}}
     param_groups, index = [], 0
     for hp, size in zip(hparams, desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(index, index + size))})
         index += size
-    return {"model": model, "optimizer": {"state": state, "param_groups": param_groups}}
+    return {"model": model, "optimizer": optimizer_state(state, param_groups, rule.KEY)}
+
+
+def optimizer_state(state: dict[int, dict], param_groups: list[dict], rule: str) -> dict:
+    """A consolidated form's optimizer state: torch's ``state`` and ``param_groups``, and the
+    key of the rule that wrote it (``rule``)."""
+    return {"state": state, "param_groups": param_groups, RULE: rule}
 
 
 def shard_numel(desc: dict, group: int) -> int:

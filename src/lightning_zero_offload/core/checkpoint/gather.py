@@ -121,8 +121,8 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
             param_groups.append({**formats.group_hparams(group),
                                  "params": list(range(first, first + size))})
             first += size
-        full["optimizer"] = {"state": dict(sorted(per_param.items())),
-                             "param_groups": param_groups}
+        full["optimizer"] = formats.optimizer_state(dict(sorted(per_param.items())),
+                                                    param_groups, state.host.rule.KEY)
     full["scaler"] = counters["scaler"]
     return full
 

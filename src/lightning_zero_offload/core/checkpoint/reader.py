@@ -65,7 +65,7 @@ def lazy_full(shards: list[dict]) -> dict:
     """``formats.consolidate(shards)``'s form, its tensors ``stream.Later`` stand-ins that read
     the shards when made (in any order)."""
     reader = ShardReader(shards)
-    steps = formats.param_steps(shards[0])
+    steps, rule = formats.param_steps(shards[0]), formats.shard_rule(shards[0])
     model: dict[str, Tensor | Later] = {}
     state: dict[int, dict] = {}
     for (name, g, index, offset, numel, shape), step in zip(reader.desc["params"], steps,
@@ -76,9 +76,9 @@ def lazy_full(shards: list[dict]) -> dict:
         model[name] = later("master")
         if step > 0:
             state[index] = {"step": torch.tensor(float(step)),
-                            **{k: later(k) for k in formats.shard_rule(shards[0]).STATE}}
+                            **{k: later(k) for k in rule.names}}
     param_groups, first = [], 0
     for hp, size in zip(shards[0]["param_groups"], reader.desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(first, first + size))})
         first += size
-    return {"model": model, "optimizer": {"state": state, "param_groups": param_groups}}
+    return {"model": model, "optimizer": formats.optimizer_state(state, param_groups, rule.KEY)}

@@ -15,6 +15,7 @@ from lightning_zero_offload.core.checkpoint.formats import (
     MOMENT_STORAGE,
     SHARD_FORMATS,
     CheckpointError,
+    optimizer_rule,
     shard_moment_dtype,
     shard_numel,
     shard_rule,
@@ -67,7 +68,7 @@ def check_tensor_parallel(shards: list[dict], mine: dict | None, path: object) -
 def check_shard_groups(shard: dict, numels: list[int], who: str) -> None:
     """Every group of ``shard`` holds ``numels[g]`` elements of master and moments, in the
     dtypes its ``moment_dtype`` names, with one scale per block for 8-bit moments."""
-    md, names = shard_moment_dtype(shard), shard_rule(shard).STATE
+    md, names = shard_moment_dtype(shard), shard_rule(shard).names
     if md not in MOMENT_DTYPES:
         raise CheckpointError(f"{who}: unknown moment_dtype {md!r}; use another checkpoint")
     if len(shard["groups"]) != len(numels):
@@ -175,12 +176,22 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
             "ZeroOffload.load_full_state_dict: the optimizer state does not match this optimizer's "
             "param groups (same groups with the same number of parameters are needed)"
         )
-    names = engine.host.rule.STATE
-    for st in opt["state"].values():
+    who, names = "ZeroOffload.load_full_state_dict", engine.host.rule.names
+    recorded = optimizer_rule(opt)
+    if recorded is not None:
+        check_rule(recorded, engine, who)
+    for i, st in opt["state"].items():
         held = tuple(k for k in st if k != "step") if isinstance(st, dict) else ()
-        if set(held) != set(names):
-            saved = next((r for r in RULES if set(r.STATE) == set(held)), None)
-            check_rule(saved, engine, "ZeroOffload.load_full_state_dict", held)
+        if set(held) == set(names):
+            continue
+        if recorded is not None:
+            raise CheckpointError(
+                f"{who}: the optimizer state of parameter {i} holds {list(held)}, not "
+                f"{recorded.NAME}'s {list(names)} that it records (corrupt checkpoint?); use "
+                "another checkpoint")
+        # a plain torch optimizer's state, or one saved before the rule was recorded
+        saved = next((r() for r in RULES if set(r.STATE) == set(held)), None)
+        check_rule(saved, engine, who, held)
     for slot in engine.layout.slots:
         st = opt["state"].get(slot.index)
         if st is not None and any(tuple(st[n].shape) != tuple(slot.param.shape)
@@ -190,18 +201,18 @@ def check_full(state: Any, engine: EngineState) -> tuple[dict, dict | None]:
     return model, opt
 
 
-def check_rule(saved: type[Rule] | None, engine: EngineState, who: str,
+def check_rule(saved: Rule | None, engine: EngineState, who: str,
                held: tuple[str, ...] = ()) -> None:
     """The checkpoint's update rule (None: state of no rule the engine knows, ``held`` its
     names) is this engine's: a rule's state means nothing to another."""
     mine = engine.host.rule
     if saved is not None and saved.KEY == mine.KEY:
         return
-    what = (f"{saved.NAME}'s ({', '.join(saved.STATE)})" if saved is not None
+    what = (f"{saved.NAME}'s ({', '.join(saved.names)})" if saved is not None
             else f"of no supported optimizer ({', '.join(held) or 'empty'})")
     raise CheckpointError(
         f"{who}: the checkpoint's optimizer state is {what}, but this engine's optimizer is "
-        f"{mine.NAME} ({', '.join(mine.STATE)}): optimizer state resumes only with the update "
+        f"{mine.NAME} ({', '.join(mine.names)}): optimizer state resumes only with the update "
         "rule that wrote it. Resume with the optimizer the checkpoint was written with, or load "
         "the weights alone (load_full_state_dict({'model': ...}) on a consolidated checkpoint) "
         "and start the new optimizer afresh")
