@@ -39,13 +39,13 @@ def test_sources_found_and_key_covers_source_and_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     src = _build.source_dir()
-    assert (src / "bindings.cpp").is_file() and (src / "adamw.h").is_file()
+    assert (src / "bindings.cpp").is_file() and (src / "step.h").is_file()
     key = _build.cache_key()
     assert key == _build.cache_key(src)
     copy = tmp_path / "src"
     shutil.copytree(src, copy)
     assert _build.cache_key(copy) == key
-    (copy / "adamw.h").write_text((copy / "adamw.h").read_text() + "\n// changed\n")
+    (copy / "step.h").write_text((copy / "step.h").read_text() + "\n// changed\n")
     assert _build.cache_key(copy) != key
     monkeypatch.setattr(_build, "cflags", lambda: ["-O1"])
     assert _build.cache_key() != key

@@ -1,4 +1,4 @@
-// The AVX-512 vector helpers shared by adamw_avx512.cpp and adamw_avx512bf16.cpp: each includes
+// The AVX-512 vector helpers shared by step_avx512.cpp and step_avx512bf16.cpp: each includes
 // this inside `namespace lzo { namespace { ... } }` after defining LZO_TARGET (so each file
 // compiles its own copy for its own target).
 

@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "adamw.h"
+#include "step.h"
 
 namespace {
 

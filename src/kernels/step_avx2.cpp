@@ -1,7 +1,7 @@
 // AVX2 + FMA + F16C path, 8 floats per step; chosen at run time (see bindings.cpp).
 // Only the functions marked LZO_TARGET use these instructions; the tail goes to the scalar path,
 // which computes the same formula (adam_elem) bit for bit.
-#include "adamw.h"
+#include "step.h"
 
 #if LZO_X86
 #include <immintrin.h>

@@ -1,6 +1,6 @@
 // AVX-512F+BW path, 16 floats per step; chosen at run time (see bindings.cpp).
-// Same operations as adam_elem in adamw.h; the tail goes to the scalar path.
-#include "adamw.h"
+// Same operations as adam_elem in step.h; the tail goes to the scalar path.
+#include "step.h"
 
 #if LZO_X86
 #include <immintrin.h>

@@ -1,9 +1,9 @@
 // AVX-512 path for CPUs with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later): the
-// compact-moment loops of adamw_avx512.cpp, but the bf16 weights out are one vcvtneps2bf16.
+// compact-moment loops of step_avx512.cpp, but the bf16 weights out are one vcvtneps2bf16.
 // That instruction rounds to nearest even like store_out but reads denormals as zero (and quiets
 // NaNs its own way), so a vector holding a NaN or a denormal takes the generic out instead: the
-// bits are the other paths' bits. The fp32-moment loop and the probe are adamw_avx512.cpp's.
-#include "adamw.h"
+// bits are the other paths' bits. The fp32-moment loop and the probe are step_avx512.cpp's.
+#include "step.h"
 
 #if LZO_X86
 #include <immintrin.h>

@@ -1,5 +1,5 @@
 // Portable path (any CPU, aarch64 included) and the tail of the vector paths.
-#include "adamw.h"
+#include "step.h"
 
 #include <algorithm>
 
