@@ -84,11 +84,11 @@ def test_failing_compile_raises_clear_error(fresh: Path, capsys) -> None:
     with pytest.raises(RuntimeError) as info:
         _build.build(fresh / "brokenkey", broken)
     message = str(info.value)
-    assert "building the C++ CPU Adam kernel" in message
+    assert "building the C++ CPU optimizer kernel" in message
     assert "lzo_broken_source_marker" in message  # the compiler's own words
     assert "LZO_KERNEL=reference" in message and "g++" in message  # what to do
     # the pause of a real first build (about a minute) is announced once, on stderr
-    said = "building the CPU Adam kernel (first use, about a minute)"
+    said = "building the CPU optimizer kernel (first use, about a minute)"
     assert capsys.readouterr().err.count(said) == 1
 
 
@@ -116,7 +116,7 @@ def test_prebuilt_read_only_dir_loads_without_compiler(fresh: Path, monkeypatch,
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
-        assert "building the CPU Adam kernel" not in proc.stderr  # loading is not building
+        assert "building the CPU optimizer kernel" not in proc.stderr  # loading is not building
         file, backend, value = proc.stdout.split()
         assert Path(file).parent == target and backend == "cpp" and abs(float(value) - 0.5) < 1e-6
         assert _build.main([str(root)]) == 0

@@ -66,6 +66,6 @@ def test_strategy_grad_norm_after_fit_is_the_last_steps(tmp_path):
 @pytest.mark.usefixtures("isolated_process_group")
 def test_two_optimizers_are_refused_saying_why_and_the_way_out(tmp_path):
     with pytest.raises(ValueError, match=r"exactly one optimizer .* got 2: one engine keeps one "
-                                         r"optimizer's state .* fused AdamW .*strategy=\"auto\""
-                                         r".*one AdamW with a parameter group for each"):
+                                         r"optimizer's state .* fused update .*strategy=\"auto\""
+                                         r".*one optimizer with a parameter group for each"):
         _fit(_Net.make(two=True), tmp_path)

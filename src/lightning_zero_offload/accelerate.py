@@ -58,6 +58,7 @@ from lightning_zero_offload.config_env import (  # noqa: E402
 )
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
 from lightning_zero_offload.core.optimizer import mark_stepped  # noqa: E402
+from lightning_zero_offload.core.rules import supported  # noqa: E402
 
 __all__ = [
     "ZeroOffloadPlugin",
@@ -284,10 +285,11 @@ def _check_other_optimizers(model: nn.Module, other: tuple) -> None:
                 f"ZeroOffloadPlugin.prepare: the optimizer at position {i + 3} ("
                 f"{type(o).__name__}) holds parameters of the ZeRO-Offload model; one engine keeps "
                 "one optimizer's state (fp32 master weights and moments) on the host, and its CPU "
-                "step is one fused AdamW over those parameters. Give that optimizer only another "
-                "model's parameters (that model is then prepared by Accelerate as usual, without "
-                "offload), or, if the optimizers differ only in hyperparameters and step "
-                "together, pass one AdamW with a parameter group for each")
+                "step is one fused update of that optimizer over those parameters. Give that "
+                "optimizer only another model's parameters (that model is then prepared by "
+                "Accelerate as usual, without offload), or, if the optimizers differ only in "
+                f"hyperparameters and step together, pass one optimizer ({supported()}) with a "
+                "parameter group for each")
 
 
 def _route_accelerator(

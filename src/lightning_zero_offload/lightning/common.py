@@ -26,6 +26,7 @@ from lightning_zero_offload.config_env import build_config
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
 from lightning_zero_offload.core.collectives import collective_device
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
+from lightning_zero_offload.core.rules import supported
 
 Scheduler = LRScheduler | ReduceLROnPlateau
 
@@ -68,13 +69,14 @@ def single_optimizer(optimizers: Sequence[Optimizer]) -> Optimizer:
     """The one optimizer the engine takes over (its kind is checked by the engine)."""
     if len(optimizers) != 1:
         raise ValueError(
-            f"ZeroOffloadStrategy needs exactly one optimizer (torch.optim.AdamW or Adam) from "
+            f"ZeroOffloadStrategy needs exactly one optimizer ({supported()}) from "
             f"configure_optimizers, got {len(optimizers)}: one engine keeps one optimizer's state "
-            "(fp32 master weights and moments) on the host, and its CPU step is one fused AdamW "
-            "over those parameters. For a module with several optimizers (a GAN's generator and "
-            "discriminator) use strategy=\"auto\" (or another strategy) for that module; if the "
-            "optimizers differ only in hyperparameters (lr, betas, weight_decay) and step "
-            "together, return one AdamW with a parameter group for each"
+            "(fp32 master weights and moments) on the host, and its CPU step is one fused update "
+            "of that optimizer over those parameters. For a module with several optimizers (a "
+            "GAN's generator and discriminator) use strategy=\"auto\" (or another strategy) for "
+            "that module; if the optimizers differ only in hyperparameters (lr, betas, "
+            "weight_decay) and step together, return one optimizer with a parameter group for "
+            "each"
         )
     return optimizers[0]
 

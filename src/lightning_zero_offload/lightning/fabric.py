@@ -43,7 +43,8 @@ from lightning_zero_offload.lightning.precision import (
 class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     """ZeRO-Offload for Fabric; same options as :class:`ZeroOffloadStrategy`.
 
-    Set up the model and its one AdamW/Adam optimizer together: ``fabric.setup(model, opt)``.
+    Set up the model and its one optimizer (any the engine supports) together:
+    ``fabric.setup(model, opt)``.
     ``fabric.setup(model)`` alone (evaluation) just moves the module to the device. The module
     holds the device weights while training; ``fabric.save`` writes the fp32 master weights, and
     ``fabric.strategy.teardown()`` (collective) puts them back into the module at the end.

@@ -27,6 +27,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero_offload.core.config import PRECISIONS
+from lightning_zero_offload.core.rules import supported
 from lightning_zero_offload.lightning.common import check_clip_algorithm
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ _HINTS = {
     "bf16-true": "use 'bf16-mixed': offload keeps bf16 weights on the device and fp32 masters "
     "on the host, which is what 'bf16-true' would throw away",
     "16-true": "use '16-mixed' (fp16 weights on the device, fp32 masters on the host)",
-    "64-true": "the CPU AdamW kernel updates fp32 master weights; use '32-true'",
+    "64-true": "the CPU optimizer kernel updates fp32 master weights; use '32-true'",
 }
 
 
@@ -109,7 +110,8 @@ class _EngineDriver:
         if self.engine is None:
             raise RuntimeError(
                 "ZeroOffload precision: no engine is set up yet; backward and optimizer steps "
-                "need the model and an AdamW/Adam optimizer set up by the zero_offload strategy"
+                f"need the model and its optimizer ({supported()}) set up by the zero_offload "
+                "strategy"
             )
         return self.engine
 

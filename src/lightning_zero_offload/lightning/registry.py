@@ -20,7 +20,7 @@ from types import ModuleType
 from typing import Any
 
 NAME = "zero_offload"  # the strategies' name in Lightning's registries
-DESCRIPTION = "ZeRO-Offload: fp32 master weights and AdamW state on the host"
+DESCRIPTION = "ZeRO-Offload: fp32 master weights and optimizer state on the host"
 # Lightning's package __init__ imports lightning.fabric and lightning.pytorch whole, so once it
 # has run, both registries and everything the strategies import are ready.
 _PACKAGE = "lightning"

@@ -3,7 +3,7 @@
 It subclasses ``DDPStrategy`` for the launcher, process-group setup, barrier and reduce, but never
 wraps the model in DDP: the engine reduces (and partitions) the gradients itself while streaming
 them to the host. The engine is built in ``setup`` right after ``configure_optimizers``, takes over
-the AdamW/Adam optimizer, and its facade (whose ``param_groups`` are the user's group dicts, so
+the optimizer, and its facade (whose ``param_groups`` are the user's group dicts, so
 LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Trainer's optimizer.
 """
 

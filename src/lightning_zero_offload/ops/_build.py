@@ -154,8 +154,8 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
     build_dir.mkdir(parents=True, exist_ok=True)
     # The compile takes about a minute (60-90 s on 2 cores) and torch's loader says nothing
     # (verbose=False): say why we pause.
-    print(f"lightning-zero-offload: building the CPU Adam kernel (first use, about a minute) in "
-          f"{build_dir}...", file=sys.stderr, flush=True)
+    print("lightning-zero-offload: building the CPU optimizer kernel (first use, about a minute) "
+          f"in {build_dir}...", file=sys.stderr, flush=True)
     env_path = os.environ.get("PATH", "")
     # ninja is a dependency; make the venv's copy visible even when the venv is not activated.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env_path])
@@ -174,8 +174,8 @@ def build(build_dir: Path, src: Path | None = None, *, verbose: bool = False) ->
         return built
     except Exception as e:  # noqa: BLE001 - re-raised with the compiler output and a remedy
         raise RuntimeError(
-            f"lightning-zero-offload: building the C++ CPU Adam kernel in {build_dir} failed.\n"
-            f"{e}\n{INSTALL_HINT}"
+            "lightning-zero-offload: building the C++ CPU optimizer kernel in "
+            f"{build_dir} failed.\n{e}\n{INSTALL_HINT}"
         ) from e
     finally:
         os.environ["PATH"] = env_path
@@ -222,8 +222,9 @@ def load() -> ModuleType | None:
             if not _warned_no_compiler:
                 _warned_no_compiler = True
                 warnings.warn(
-                    "lightning-zero-offload: no C++ compiler found, so the CPU Adam step uses the "
-                    f"pure-torch reference (same results, several times slower). {INSTALL_HINT}",
+                    "lightning-zero-offload: no C++ compiler found, so the CPU optimizer step uses "
+                    "the pure-torch reference (same results, several times slower). "
+                    f"{INSTALL_HINT}",
                     RuntimeWarning,
                     stacklevel=3,
                 )

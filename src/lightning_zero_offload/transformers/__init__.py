@@ -4,15 +4,17 @@
 trains with the engine; so does any ``Trainer`` built with ``ZERO_OFFLOAD=1`` in the environment.
 The mixin composes with other trainers: ``class OffloadSFTTrainer(ZeroOffloadMixin, SFTTrainer)``.
 
-The Trainer's own loop stays: the optimizer it creates (``torch.optim.AdamW``/``Adam``: the
-``adamw_torch*`` optims) is handed to the engine right after ``create_optimizer``, together with
-the model, through :class:`~lightning_zero_offload.accelerate.ZeroOffloadPlugin` on the Trainer's
-accelerator, so backward, ``max_grad_norm`` clipping and the logged ``grad_norm`` go through the
+The Trainer's own loop stays: the optimizer it creates (``torch.optim.AdamW``/``Adam`` for the
+``adamw_torch*`` optims; others per ``transformers.optim``) is handed to the engine right after
+``create_optimizer``, together with the model, through
+:class:`~lightning_zero_offload.accelerate.ZeroOffloadPlugin` on the Trainer's accelerator, so
+backward, ``max_grad_norm`` clipping and the logged ``grad_norm`` go through the
 engine. Precision follows ``bf16``/``fp16`` (neither: fp32). Checkpoints keep the Trainer's layout
 plus a ``zero_offload/`` folder with one optimizer shard per rank; ``save_model`` writes the fp32
 master weights. Not supported (each raises): DeepSpeed, FSDP, several GPUs in one process
-(``DataParallel``), optimizers other than AdamW/Adam, ``max_grad_norm`` inside the ZeRO-Offload
-options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved without ZeRO-Offload.
+(``DataParallel``), optimizers the engine has no rule for, ``max_grad_norm`` inside the
+ZeRO-Offload options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved
+without ZeRO-Offload.
 """
 
 from __future__ import annotations
