@@ -634,7 +634,7 @@ def test_the_plan_says_what_an_asynchronous_save_copies_and_whether_it_fits(mome
               moment_dtype=moment_dtype, offload_fraction=1.0, world_size=2, host_reserve=0)
     base = plan(n, host_memory="1TiB", **kw)
     shard = -(-base.trainable_params // 2)
-    assert base.async_copy_sharded == 4 * shard + Adam.host_bytes(shard, moment_dtype)
+    assert base.async_copy_sharded == 4 * shard + Adam().host_bytes(shard, moment_dtype)
     assert base.async_copy_consolidated == 12 * base.trainable_params  # fp32 master and moments
     run = base.host_bytes_per_node
     just = plan(n, host_memory=run + 2 * base.async_copy_sharded, **kw)  # the shards' copies fit

@@ -82,7 +82,7 @@ def test_the_state_names_are_torchs() -> None:
     p.grad = torch.ones(3)
     opt.step()
     assert set(opt.state_dict()["state"][0]) == {"step", *Adam().names}
-    assert Adam.host_bytes(256, "fp32") == 8 * 256
+    assert Adam().host_bytes(256, "fp32") == 8 * 256
 
 
 def _engine_and_planner_rules():

@@ -22,43 +22,14 @@ planner ask it and never spell a state name or a byte count.
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_zero_offload.ops import Moments, moment_bytes
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-class _of_instance(Generic[_P, _R]):
-    """A method of the rule instance that, looked up on a rule class, runs on the class's
-    default instance ``cls()``. Transitional: for callers that still hand a rule's class where
-    its instance belongs (``core/setup.py`` passes ``type(rule)``); it goes once none does."""
-
-    def __init__(self, fn: Callable[Concatenate[Any, _P], _R]) -> None:
-        self.fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __get__(self, rule: Rule | None, cls: type[Rule]) -> Callable[_P, _R]:
-        return functools.partial(self.fn, rule if rule is not None else cls())
-
-
-class _property_of_instance(Generic[_R]):
-    """A property of the rule instance; on a rule class, its default instance's (as
-    :class:`_of_instance`, and transitional with it)."""
-
-    def __init__(self, fn: Callable[[Any], _R]) -> None:
-        self.fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __get__(self, rule: Rule | None, cls: type[Rule]) -> _R:
-        return self.fn(rule if rule is not None else cls())
 
 
 def unwrapped(fn: object) -> object:
@@ -121,38 +92,33 @@ class Rule(ABC):
 
     # --- the state's shape: names, bytes, zeros and the fp32 form --------------------------
 
-    @_property_of_instance
+    @property
     def state(self) -> Mapping[str, str]:
         """This rule's per-parameter state: torch's names, each with its 8-bit code (a rule
         whose options change its state overrides this)."""
         return {name: self.CODES[name] for name in self.STATE}
 
-    @_property_of_instance
+    @property
     def names(self) -> tuple[str, ...]:
         """The state's names, in order."""
         return tuple(self.state)
 
-    @_of_instance
     def device_bytes(self) -> int:
         """Bytes per element of the state on the device: fp32, whatever ``moment_dtype``."""
         return 4 * len(self.state)
 
-    @_of_instance
     def host_bytes(self, numel: int, moment_dtype: str) -> int:
         """Exact host bytes of the state of ``numel`` elements (block scales included)."""
         return moment_bytes(numel, moment_dtype, len(self.state))
 
-    @_of_instance
     def zeros(self, numel: int, moment_dtype: str, *, pin_memory: bool = False) -> Moments:
         """The initial state of ``numel`` elements (:meth:`host_bytes` bytes)."""
         return Moments.zeros(numel, moment_dtype, names=self.state, pin_memory=pin_memory)
 
-    @_of_instance
     def from_fp32(self, arrays: Sequence[Tensor], moment_dtype: str) -> Moments:
         """fp32 arrays in :attr:`names` order as ``moment_dtype``, rounded to nearest."""
         return Moments.from_fp32(*arrays, moment_dtype, names=self.state)
 
-    @_of_instance
     def named(self, moment_dtype: str, fields: Mapping[str, Any]) -> Moments:
         """The state from tensors by name, as a checkpoint stores them."""
         return Moments.named(moment_dtype, fields, self.state)

@@ -119,9 +119,8 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
     buckets = _buckets(trained, precision, world_size, bucket_bytes, moment_dtype)
     shards = [b // world_size for b in buckets]
     hosted = shards[: len(shards) - on_device]
-    # type(rule): core.host and core.device_budget still take a rule's class (its default)
     sizes = plan_counts([sum(hosted)], hosted, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu, rule=type(rule), moment_dtype=moment_dtype,
+                        pinned=not cpu, rule=rule, moment_dtype=moment_dtype,
                         accumulate=accumulate)
     host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
                   delayed=delayed, frozen_bytes=4 * frozen if half else 0,
@@ -132,7 +131,7 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             trained=trained, max_bucket=max(buckets, default=0),
             max_shard=max(shards, default=0), world_size=world_size,
             resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate,
-            rule=type(rule))
+            rule=rule)
         if frozen:
             dev["weights"] = dev.get("weights", 0) + h * frozen
         if activations:
