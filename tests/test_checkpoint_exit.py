@@ -149,10 +149,6 @@ def test_an_asynchronous_save_an_exit_hook_starts_is_written_as_a_blocking_one(t
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "open (issue 44 item 2): about 1 run in 10 to 30 under load, one of the two processes ends "
-    "with SIGABRT ('terminate called without an active exception') after the exit hook; the "
-    "cause is not found yet"))
 @pytest.mark.parametrize("kind", ["file", "dir"])
 def test_a_save_two_ranks_never_wait_for_is_published_at_exit(tmp_path, kind):
     _unwaited(tmp_path, kind, 2)
