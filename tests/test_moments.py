@@ -595,3 +595,16 @@ def test_rounding_bits_are_uniform_and_independent() -> None:
                                  "2^19 apart": (a[: n // 2], a[n // 2:]),
                                  "consecutive steps": (a, b)}.items():
                 assert _pair_dependence(x, y) < 0.01, f"{what}, bits {shift}+"
+
+
+def test_a_state_of_no_arrays_is_any_size() -> None:
+    """A rule that keeps no state (SGD without momentum) has Moments of no arrays: any part of
+    them is another such state, and it copies into any other of the same names."""
+    from lightning_zero_offload.ops import Moments
+
+    for md in ("fp32", "int8"):
+        none = Moments.zeros(300, md, names={})
+        part = none.chunk(100, 5000)  # no arrays: no bounds, no blocks
+        assert part.names == () and part.numel == 5000 and part.nbytes == 0
+        part.copy_(Moments.from_fp32(md, names={}))
+        assert part.to_fp32() == () and part.fields() == {}

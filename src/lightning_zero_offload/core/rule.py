@@ -90,6 +90,13 @@ class Rule(ABC):
         hyperparameters) are ignored; none: ``cls()``, the rule with its defaults."""
         return cls()
 
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options that shape this rule's state, as :meth:`from_options` takes them:
+        recorded in checkpoints beside :attr:`KEY`, so a checkpoint's rule is rebuilt with the
+        state it wrote (none: the state is the rule's own whatever the options)."""
+        return {}
+
     # --- the state's shape: names, bytes, zeros and the fp32 form --------------------------
 
     @property

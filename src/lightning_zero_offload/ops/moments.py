@@ -223,8 +223,8 @@ class Moments:
 
     def copy_(self, other: Moments) -> None:
         """Overwrite this state with ``other`` (same format, names and size), in place."""
-        if (other.moment_dtype, other.names, other.numel) != (
-                self.moment_dtype, self.names, self.numel):
+        if (other.moment_dtype, other.names) != (self.moment_dtype, self.names) or (
+                self.names and other.numel != self.numel):  # no arrays: no size to match
             raise ValueError(
                 f"cannot copy {other.moment_dtype} state {other.names} of {other.numel} elements "
                 f"into {self.moment_dtype} state {self.names} of {self.numel}; convert with "
@@ -238,6 +238,8 @@ class Moments:
         """Views of elements ``[start, start + numel)``. For ``"int8"`` both ends must be block
         boundaries (multiples of ``BLOCK``), or the end must be the end of the buffer."""
         end = start + numel
+        if not self.names and start >= 0 and numel >= 0:  # no arrays: any part of any size
+            return self._like([], [], self.offset + start, numel)
         if start < 0 or numel < 0 or end > self.numel:
             raise ValueError(f"chunk [{start}, {end}) is outside moments of {self.numel}")
         arrays = [t[start:end] for t in self.arrays.values()]

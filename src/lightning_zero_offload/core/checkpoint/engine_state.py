@@ -98,7 +98,7 @@ class EngineState:
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             **tp,
             "precision": self.precision, "layout": self.layout.describe(),
-            "rule": self.host.rule.KEY,
+            "rule": self.host.rule.KEY, "rule_options": self.host.rule.options,
             "moment_dtype": shard_view.saved_moment_dtype(self.buckets),
             "groups": [{"step": counters["steps"][g],
                         **self._group(g, to_write and bool(self.buckets.device()))}
@@ -114,7 +114,7 @@ class EngineState:
                     **formats.moments_fields(shard_view.group_moments(self.buckets, g))}
         n = self.layout.group_shard_numel[g]
         return {kind: stream.Later((n,), torch.float32, lambda kind=kind: shard_view.group_pieces(
-            self.buckets, g, kind)) for kind in ("master", *self.host.rule.STATE)}
+            self.buckets, g, kind)) for kind in ("master", *self.host.rule.names)}
 
     def load_shard(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
@@ -191,7 +191,7 @@ class EngineState:
         if "optimizer" in full:
             states = full["optimizer"]["state"]
             for i in sorted(states):
-                for key in self.host.rule.STATE:
+                for key in self.host.rule.names:
                     states[i][key] = tp.whole_value(params[i], states[i][key])
         return full
 
@@ -203,7 +203,7 @@ class EngineState:
         model = {k: tp.local_value(names[k], v) for k, v in model.items()}
         if opt is not None:
             opt = {**opt, "state": {i: {**st, **{key: tp.local_value(params[i], st[key])
-                                                   for key in self.host.rule.STATE}}
+                                                   for key in self.host.rule.names}}
                                     for i, st in opt["state"].items()}}
         return model, opt
 
@@ -226,13 +226,13 @@ class EngineState:
                 pieces.setdefault(piece[0].bucket, []).append(piece)
             for bucket in self.buckets:  # one bucket shard at a time, loaded by the shard
                 a, k, shard = bucket.host_offset, bucket.numel, bucket.shard
-                state32 = [torch.zeros(k) for _ in self.host.rule.STATE]
+                state32 = [torch.zeros(k) for _ in self.host.rule.names]
                 for slot, lo, hi, at in pieces.get(bucket.b, []):
                     sl = slice(at - a, at - a + hi - lo)
                     shard.load(stream.made(model[slot.name]).reshape(-1)[lo:hi], at=at - a)
                     st = states.get(slot.index)
                     if st:
-                        for t, name in zip(state32, self.host.rule.STATE, strict=True):
+                        for t, name in zip(state32, self.host.rule.names, strict=True):
                             t[sl] = stream.made(st[name]).reshape(-1)[lo:hi]
                 shard.load(state32=tuple(state32))
                 del state32

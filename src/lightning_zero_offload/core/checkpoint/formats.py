@@ -32,6 +32,7 @@ FULL_FORMAT = "lightning_zero_offload.full/1"
 DIR_FORMAT = "lightning_zero_offload.dir/1"
 MOMENT_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 RULE = "rule"  # the update rule's key, in a shard and in a consolidated form's optimizer state
+RULE_OPTIONS = "rule_options"  # beside it: the options that shape its state (Rule.options)
 
 
 class CheckpointError(ValueError):
@@ -50,13 +51,14 @@ def shard_moment_dtype(shard: dict) -> str:
 
 def shard_rule(shard: dict) -> Rule:
     """The update rule that wrote a shard (shards before the key were Adam's)."""
-    return named_rule(shard.get("rule", "adamw"), "shard")
+    return named_rule(shard.get(RULE, "adamw"), "shard", shard.get(RULE_OPTIONS))
 
 
-def named_rule(key: object, where: str) -> Rule:
-    """The rule a checkpoint records by its key (``where``: the part that records it)."""
+def named_rule(key: object, where: str, options: object = None) -> Rule:
+    """The rule a checkpoint records by its key and the options that shape its state
+    (``where``: the part that records them)."""
     try:
-        return rule_named(str(key))
+        return rule_named(str(key), **(options if isinstance(options, dict) else {}))
     except ValueError as e:
         raise CheckpointError(f"the {where}'s {e}; use another checkpoint") from None
 
@@ -65,7 +67,7 @@ def optimizer_rule(optimizer: dict) -> Rule | None:
     """The rule a consolidated form's optimizer state records (None: not recorded, a plain
     torch optimizer's state or one saved before the key)."""
     key = optimizer.get(RULE)
-    return None if key is None else named_rule(key, "optimizer state")
+    return None if key is None else named_rule(key, "optimizer state", optimizer.get(RULE_OPTIONS))
 
 
 def param_steps(shard: dict) -> list[int]:
@@ -143,13 +145,14 @@ def assemble(desc: dict, flats: dict[str, list[Tensor]], steps: list[int],
     for hp, size in zip(hparams, desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(index, index + size))})
         index += size
-    return {"model": model, "optimizer": optimizer_state(state, param_groups, rule.KEY)}
+    return {"model": model, "optimizer": optimizer_state(state, param_groups, rule)}
 
 
-def optimizer_state(state: dict[int, dict], param_groups: list[dict], rule: str) -> dict:
+def optimizer_state(state: dict[int, dict], param_groups: list[dict], rule: Rule) -> dict:
     """A consolidated form's optimizer state: torch's ``state`` and ``param_groups``, and the
-    key of the rule that wrote it (``rule``)."""
-    return {"state": state, "param_groups": param_groups, RULE: rule}
+    key of the rule that wrote it, with the options that shape its state where it has any."""
+    options = {RULE_OPTIONS: rule.options} if rule.options else {}
+    return {"state": state, "param_groups": param_groups, RULE: rule.KEY, **options}
 
 
 def shard_numel(desc: dict, group: int) -> int:

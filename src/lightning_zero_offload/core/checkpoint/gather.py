@@ -98,7 +98,7 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
             if state.world_size > 1 else None)
     gather = BucketGather(state.layout, state.buckets, state.rank, state.group, coll)
     slots, tp = in_bucket_order(state.layout), state.tp
-    rule_state = state.host.rule.STATE
+    rule_state = state.host.rule.names
     kinds = (["master"] if model else []) + (list(rule_state) if optimizer else [])
     made = {kind: {s.index: later(gather, kind, s, tp) for s in slots} for kind in kinds}
     counters = state.stepper.state_dict()
@@ -122,7 +122,7 @@ def full_later(state: EngineState, *, model: bool, optimizer: bool) -> dict:
                                  "params": list(range(first, first + size))})
             first += size
         full["optimizer"] = formats.optimizer_state(dict(sorted(per_param.items())),
-                                                    param_groups, state.host.rule.KEY)
+                                                    param_groups, state.host.rule)
     full["scaler"] = counters["scaler"]
     return full
 

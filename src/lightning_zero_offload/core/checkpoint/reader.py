@@ -81,4 +81,4 @@ def lazy_full(shards: list[dict]) -> dict:
     for hp, size in zip(shards[0]["param_groups"], reader.desc["group_sizes"], strict=True):
         param_groups.append({**hp, "params": list(range(first, first + size))})
         first += size
-    return {"model": model, "optimizer": formats.optimizer_state(state, param_groups, rule.KEY)}
+    return {"model": model, "optimizer": formats.optimizer_state(state, param_groups, rule)}

@@ -38,7 +38,8 @@ def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None,
     for s in shards:
         if (s.get("format") not in SHARD_FORMATS or s["layout"] != first["layout"]
                 or shard_moment_dtype(s) != shard_moment_dtype(first)
-                or s.get("rule") != first.get("rule")):
+                or s.get("rule") != first.get("rule")
+                or s.get("rule_options") != first.get("rule_options")):
             raise CheckpointError("checkpoint shards come from different saves; use another "
                                   "checkpoint")
         check_shard_groups(s, [shard_numel(s["layout"], g) for g in range(len(s["groups"]))],
@@ -206,7 +207,7 @@ def check_rule(saved: Rule | None, engine: EngineState, who: str,
     """The checkpoint's update rule (None: state of no rule the engine knows, ``held`` its
     names) is this engine's: a rule's state means nothing to another."""
     mine = engine.host.rule
-    if saved is not None and saved.KEY == mine.KEY:
+    if saved is not None and saved.KEY == mine.KEY and saved.names == mine.names:
         return
     what = (f"{saved.NAME}'s ({', '.join(saved.names)})" if saved is not None
             else f"of no supported optimizer ({', '.join(held) or 'empty'})")
