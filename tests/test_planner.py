@@ -663,8 +663,7 @@ def test_the_predicted_cpu_step_counts_the_host_part_only():
 
 def test_help_imports_no_torch_and_every_option_says_what_it_is():
     """``lzo-plan --help`` answers without importing torch (it took 2 s for the help text),
-    every option has its help, and the update rules it offers are the engine's."""
-    from lightning_zero_offload.core.rules import RULES
+    and every option has its help."""
     from lightning_zero_offload.planner import cli
 
     code = ("import sys\nfrom lightning_zero_offload.planner.cli import main\ntry:\n"
@@ -677,4 +676,19 @@ def test_help_imports_no_torch_and_every_option_says_what_it_is():
     assert proc.stdout.splitlines()[-1] == "torch imported: False", proc.stdout[-500:]
     parser = cli._parser()
     assert [a.option_strings for a in parser._actions if not a.help] == []
-    assert cli.OPTIMIZERS == tuple(r.KEY for r in RULES)
+
+
+def test_the_optimizer_is_any_rule_of_the_registry_and_another_is_named(capsys) -> None:
+    """``--optimizer`` takes every key of the engine's registry (none is listed twice, in the
+    CLI and the registry); another is refused naming them all."""
+    from lightning_zero_offload.core.rules import RULES
+    from lightning_zero_offload.planner import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--params", "1e8", "--no-measure", "--optimizer", "nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--optimizer" in err and all(repr(r.KEY) in err for r in RULES), err
+    for r in RULES:
+        assert cli.main(["--params", "1e8", "--no-measure", "--json", "--optimizer", r.KEY]) in (
+            0, None)

@@ -14,10 +14,22 @@ from lightning_zero_offload.planner.inputs import (
     DEFAULT_HOST_RESERVE,
     ELEM,
     MOMENT_DTYPES,
-    OPTIMIZERS,
     PlanArgumentError,
 )
 from lightning_zero_offload.planner.model import ATTENTION
+
+
+def _option(text: str) -> tuple[str, object]:
+    """``NAME=VALUE``: the value as a number or a bool where it reads as one."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    try:
+        return name, float(value)
+    except ValueError:
+        return name, value
 
 
 def _number_or_text(value: str) -> float | str:
@@ -73,8 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--moment-dtype", default="fp32", choices=list(MOMENT_DTYPES),
                    help="how the host keeps the optimizer's moments (default: %(default)s; "
                    "ZeroOffloadConfig.moment_dtype)")
-    p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
-                   help="the update rule whose state the host keeps (default: %(default)s)")
+    p.add_argument("--optimizer", default="adamw",
+                   help="the update rule whose state the host keeps, by its key in the engine's "
+                   "registry (default: %(default)s; another is refused naming every key)")
+    p.add_argument("--optimizer-option", action="append", default=[], type=_option,
+                   metavar="NAME=VALUE", help="an option of the optimizer's constructor that "
+                   "shapes its state (e.g. momentum=0.9); repeat for several")
     p.add_argument("--offload-fraction", default=AUTO, type=_number_or_text,
                    help="share of the optimizer state on the host, the rest (whole buckets, the "
                    "first layers) on the device: a number in [0, 1] or auto, the largest share "
@@ -106,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                       moment_dtype=a.moment_dtype, attention=a.attention,
                       activation_checkpointing=a.activation_checkpointing,
                       accumulate=a.accumulate, offload_fraction=a.offload_fraction,
-                      device_memory_headroom=a.device_memory_headroom, optimizer=a.optimizer)
+                      device_memory_headroom=a.device_memory_headroom, optimizer=a.optimizer,
+                      optimizer_options=dict(a.optimizer_option))
     except PlanArgumentError as e:
         p.error(f"argument {e.option}: {e.problem}")
     except (ValueError, OSError, ImportError) as e:

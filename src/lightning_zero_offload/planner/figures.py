@@ -150,7 +150,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          cpu_threads: int | None = None, moment_dtype: str = "fp32",
          activation_checkpointing: bool = False, attention: str = "eager",
          accumulate: bool = False, offload_fraction: float | str = split.AUTO,
-         device_memory_headroom: float = split.DEFAULT_HEADROOM, optimizer: str = "adamw") -> Plan:
+         device_memory_headroom: float = split.DEFAULT_HEADROOM, optimizer: str = "adamw",
+         optimizer_options: dict | None = None) -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
     the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
@@ -162,21 +163,23 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     ``seq x seq`` scores are kept) or ``"memory-efficient"`` (SDPA/flash kernels keep none).
     ``accumulate``: the run accumulates gradients over several backward passes, so its host
     figure is the accumulating one. ``optimizer``: the update rule's key (``"adamw"``:
-    Adam/AdamW, ``"lion"``), whose state the host keeps. ``offload_fraction`` (a number in [0,
-    1] or ``"auto"``) and ``device_memory_headroom`` are ``ZeroOffloadConfig``'s: the share of
-    the optimizer state on the host (the rest, whole buckets, on the device; ``split``), and for
-    ``"auto"`` the share of the device left free: it resolves to the largest fraction whose host
-    part fits the host and whose device part fits within ``1 - device_memory_headroom`` of the
-    device (1.0 when the host holds it all). When it does not fit, ``short`` names the memory
-    that is short and ``suggestions`` the changes that fit, each re-planned. A bad argument
-    raises ``ValueError`` (``TypeError`` for a wrong type) naming it."""
+    Adam/AdamW, ``"lion"``, any of ``core.rules.RULES``), whose state the host keeps, for an
+    optimizer made with ``optimizer_options`` (those that shape its state). ``offload_fraction``
+    (a number in [0, 1] or ``"auto"``) and ``device_memory_headroom`` are
+    ``ZeroOffloadConfig``'s: the share of the optimizer state on the host (the rest, whole
+    buckets, on the device; ``split``), and for ``"auto"`` the share of the device left free: it
+    resolves to the largest fraction whose host part fits the host and whose device part fits
+    within ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all). When it
+    does not fit, ``short`` names the memory that is short and ``suggestions`` the changes that
+    fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong type)
+    naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
     inputs.choice(precision, "precision", tuple(_ELEM))
     inputs.choice(moment_dtype, "moment_dtype", MOMENT_DTYPES)
     inputs.choice(optimizer, "optimizer", tuple(r.KEY for r in RULES))
-    rule = rule_named(optimizer)
+    rule = rule_named(optimizer, **(optimizer_options or {}))
     inputs.choice(device, "device", ("cuda", "cpu"))
     inputs.choice(attention, "attention", ATTENTION)
     for name, val in (("world_size", world_size), ("ranks_per_node", ranks_per_node),
