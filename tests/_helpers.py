@@ -249,3 +249,45 @@ def setup_error_with_rank_1_short(rank: int, build: Callable[[], object]) -> str
     except MemoryError as e:
         return str(e)
     return "no error"
+
+
+def resumes_bit_for_bit(engine: Callable[..., ZeroOffload], path: Path, **cfg: Any) -> None:
+    """A rule's checkpoint resumes bit for bit: ``engine(seed, **cfg)`` trained 4 steps and
+    saved (``cfg``'s ``sharded`` goes to the save), then it and a fresh engine that loaded it
+    train 4 more."""
+    from _tiny_gpt import batches
+
+    sharded = cfg.pop("sharded")
+    data, more = batches(4), batches(4, seed=1)
+    a = engine(0, **cfg)
+    train(a, data)
+    a.save_checkpoint(path, sharded=sharded)
+    b = engine(5, **cfg)
+    b.load_checkpoint(path)
+    train(a, more, gather=True)
+    train(b, more, gather=True)
+    for x, y in zip(a.module.parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(bits(x), bits(y))
+
+
+def continues_in_plain_torch(engine: ZeroOffload, make_opt: Callable[[nn.Module], Any],
+                             clip: float = 1.0) -> None:
+    """The engine's full state, trained 4 steps, loads into a plain model and optimizer
+    (``make_opt(model)``), which then continue 4 steps within 1e-6 of the engine."""
+    from _tiny_gpt import batches
+
+    data, more = batches(4), batches(4, seed=1)
+    train(engine, data, micro=2)
+    full = engine.full_state_dict()
+    model = make(3)
+    model.load_state_dict(full["model"])
+    opt = make_opt(model)
+    opt.load_state_dict(full["optimizer"])
+    for x, y in more:
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            (lm_loss(model(xs), ys) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    train(engine, more, micro=2)
+    assert rel_err(engine.module, model) < 1e-6

@@ -313,7 +313,7 @@ def test_module_zero_grad_clears_the_engines_gradients():
 
 _STRANGER = nn.Parameter(torch.zeros(3))
 _SETUP_ERRORS = {  # name: (build the engine or config, error, message)
-    "sgd": (lambda m: ZeroOffload(m, torch.optim.SGD(m.parameters(), lr=0.1)), TypeError,
+    "rmsprop": (lambda m: ZeroOffload(m, torch.optim.RMSprop(m.parameters(), lr=0.1)), TypeError,
             "AdamW and torch.optim.Adam"),
     "amsgrad": (lambda m: ZeroOffload(m, torch.optim.AdamW(m.parameters(), amsgrad=True)),
                 ValueError, "amsgrad"),

@@ -165,7 +165,7 @@ def test_errors():
     with pytest.raises(ValueError, match="64-true"):
         Fabric(accelerator="cpu", strategy="zero_offload", precision="64-true")
     with pytest.raises(TypeError, match="AdamW"):
-        make("zero_offload", optimizer_cls=torch.optim.SGD)
+        make("zero_offload", optimizer_cls=torch.optim.RMSprop)
     fabric, model, optimizer = make("zero_offload")
     x, y = batches(1)[0]
     fabric.backward(nn.functional.mse_loss(model(x), y))

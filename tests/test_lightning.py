@@ -81,8 +81,8 @@ class Net(LightningModule):
 
     def configure_optimizers(self):
         params = self.parameters()
-        if self.hparams.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=self.hparams.lr)
+        if self.hparams.optimizer == "rmsprop":
+            return torch.optim.RMSprop(params, lr=self.hparams.lr)
         if self.hparams.optimizer == "lion":
             from lion_pytorch import Lion
             return Lion(params, lr=self.hparams.lr / 10, weight_decay=0.01)
@@ -416,7 +416,7 @@ def test_unsupported_precision_fails_at_trainer_creation(kwargs, error, match):
 @pytest.mark.parametrize(
     ("model_kwargs", "trainer_kwargs", "error", "match"),
     [
-        ({"optimizer": "sgd"}, {}, TypeError, "AdamW"),
+        ({"optimizer": "rmsprop"}, {}, TypeError, "AdamW"),
         ({}, {"gradient_clip_algorithm": "value"}, ValueError, "gradient_clip_algorithm='norm'"),
     ],
 )

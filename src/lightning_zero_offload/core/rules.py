@@ -9,8 +9,9 @@ import torch
 from lightning_zero_offload.core.adam import Adam
 from lightning_zero_offload.core.lion import Lion
 from lightning_zero_offload.core.rule import Rule, qualified
+from lightning_zero_offload.core.sgd import SGD
 
-RULES: tuple[type[Rule], ...] = (Adam, Lion)
+RULES: tuple[type[Rule], ...] = (Adam, Lion, SGD)
 
 
 def rule_for(optimizer: torch.optim.Optimizer) -> Rule:
