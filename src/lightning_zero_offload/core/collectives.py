@@ -287,6 +287,11 @@ def _released_at_exit(*tensors: Tensor) -> Iterator[None]:
         time.sleep(0.001)
 
 
+def process_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def collective_device(group: Any, device: torch.device) -> torch.device:
     """Where a collective's tensors live: the compute device with NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()

@@ -42,11 +42,6 @@ def _describe(layout: Layout, module: nn.Module) -> list[str]:
     return out
 
 
-def process_rank() -> int:
-    """This process's global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def start(layout: Layout, module: nn.Module, group: Any, device: torch.device, tp: Any,
           local_checks: Callable[[], object], config: Any) -> None:
     """Run this rank's setup checks; with several ranks agree (every rank raises the first

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import collectives, device_budget, placement, ranks
+from lightning_zero_offload.core import collectives, device_budget, placement
 from lightning_zero_offload.core.buckets import Buckets
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device import SyncDevice
@@ -72,7 +72,7 @@ class DevicePart:
         self.count = self._choose()
         if self._check_host:
             check_host_memory(sum(self._budget(self.count, self.accumulate).values()),
-                              ranks.process_rank())
+                              collectives.process_rank())
 
     def _choose(self) -> int:
         free, accumulate = self.dev.free_memory(), self.may_accumulate
@@ -147,7 +147,7 @@ class DevicePart:
         if self.count != own:
             try:
                 check_host_memory(sum(self._budget(self.count, self.accumulate).values()),
-                                  ranks.process_rank())
+                                  collectives.process_rank())
             except MemoryError as e:
                 error = e
         short = self._reduce(self.rank + 1 if error is not None else 0, dist.ReduceOp.MAX)
