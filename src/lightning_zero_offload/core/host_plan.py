@@ -20,10 +20,9 @@ import torch
 
 from lightning_zero_offload.core.buckets import on_host
 from lightning_zero_offload.core.device_budget import state_bytes
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.layout import Layout, frozen_bytes, untrained_bytes
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.weights import frozen_bytes, untrained_bytes
 
 SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
 _MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)

@@ -180,3 +180,22 @@ def shard_align(moment_dtype: str) -> int:
     """The parameter and bucket-shard alignment a moment format needs: ``ops.BLOCK`` for
     ``"int8"`` (its kernel calls start on block boundaries), else ``ALIGN``."""
     return BLOCK if moment_dtype == "int8" else ALIGN
+
+
+def frozen_params(module: nn.Module, trained: dict[int, str],
+                  dtype: torch.dtype) -> list[nn.Parameter]:
+    """The frozen parameters the compute dtype would round: the host keeps their exact copies."""
+    return [p for p in module.parameters() if id(p) not in trained
+            and p.is_floating_point() and p.dtype != dtype]
+
+
+def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
+    """Host bytes of the exact copies of frozen parameters the compute dtype would round."""
+    return sum(p.numel() * p.element_size() for p in frozen_params(module, trained, dtype))
+
+
+def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
+    """Bytes of the module's other tensors once floats are cast to the compute dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
+               for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)

@@ -22,32 +22,15 @@ from torch import Tensor, nn
 
 from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.device import Event, SyncDevice
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.layout import Layout, frozen_params
 from lightning_zero_offload.core.profile import ProfileRecorder
 from lightning_zero_offload.core.tensor_parallel import bind, bind_all, data_ptrs, local
-
-
-def frozen_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
-    """Host bytes of the exact copies of frozen parameters the compute dtype would round."""
-    return sum(p.numel() * p.element_size() for p in _frozen(module, trained, dtype))
-
-
-def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> int:
-    """Bytes of the module's other tensors once floats are cast to the compute dtype."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
-               for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)
 
 
 def _host_copy(t: Tensor) -> Tensor:
     """A module buffer or untrained tensor for the full state: on the host, floats in fp32."""
     t = t.detach().cpu()
     return t.float() if t.is_floating_point() else t.clone()
-
-
-def _frozen(module: nn.Module, trained: dict[int, str], dtype: torch.dtype) -> list[Tensor]:
-    return [p for p in module.parameters() if id(p) not in trained
-            and p.is_floating_point() and p.dtype != dtype]
 
 
 class DeviceWeights:
@@ -59,7 +42,7 @@ class DeviceWeights:
         self.world_size = layout.world_size
         device = dev.device
         self.frozen = {id(p): local(p).detach().to("cpu", copy=True)
-                       for p in _frozen(module, trained, dtype)}
+                       for p in frozen_params(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
         self.trained = trained
         self.live = [dev.zeros(k, dtype, "device weights") for k in layout.group_numel]
