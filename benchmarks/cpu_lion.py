@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import ops
-from lightning_zero_offload.core.lion import Lion
+from lightning_zero_offload.core.rules.lion import Lion
 from lightning_zero_offload.ops import _build
 
 BYTES = 20  # per parameter, fp32 moment: read 2 + 4 + 4, write 4 + 4 + 2

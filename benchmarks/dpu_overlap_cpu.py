@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import lightning_zero_offload as zo
-from lightning_zero_offload.core.profile import summarize
+from lightning_zero_offload.core.device.profile import summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import timeline  # noqa: E402

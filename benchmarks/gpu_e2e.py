@@ -145,7 +145,7 @@ def make_peer(peer: str, cfg, device: torch.device, engine: dict):  # noqa: ANN0
         return step, lambda: {}
     if peer in OFFLOAD_PEERS:
         from lightning_zero_offload import ZeroOffload
-        from lightning_zero_offload.core.profile import summarize
+        from lightning_zero_offload.core.device.profile import summarize
 
         model = build_gpt(cfg, device="cpu", dtype=torch.bfloat16, gen_device=gen)
         opt = torch.optim.AdamW(model.parameters(), **hp)

@@ -6,7 +6,8 @@ Traces the second ``step`` of a small engine (3 and 6 buckets, one rank, the CPU
 - crossings: calls whose caller is in another core module than the callee;
 - re-entries: calls into a module that is already on the stack below another module (control
   handed back to a module the walk had left: a callback);
-- after finish: calls into ``core.streaming`` from another module after ``GradStreamer.finish``
+- after finish: calls into ``core.transfer.streaming`` from another module after
+``GradStreamer.finish``
   returned, within ``ZeroOffload.step`` (the step owns the gradients from there: it must not
   call the streamer back).
 

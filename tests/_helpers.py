@@ -238,7 +238,8 @@ def assert_same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> None:
 def setup_error_with_rank_1_short(rank: int, build: Callable[[], object]) -> str:
     """``build()`` (an engine's setup) with rank 1's host-memory check refusing: the setup error
     this rank raised, or "no error"."""
-    import lightning_zero_offload.core.resident as resident  # where setup checks host memory
+    # where setup checks host memory
+    import lightning_zero_offload.core.buckets.resident as resident
 
     if rank == 1:
         def refuse(needed: int, r: int) -> None:

@@ -23,7 +23,7 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
     config_overrides_from_env,
     zero_offload_enabled,
 )
-from lightning_zero_offload.core.rules import supported  # noqa: E402
+from lightning_zero_offload.core.rules.rules import supported  # noqa: E402
 
 ACCUM, STEPS, BATCH, MAX_NORM = 2, 6, 4, 0.05
 

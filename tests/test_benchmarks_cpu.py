@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero_offload.core.profile import ProfileRecorder
+from lightning_zero_offload.core.device.profile import ProfileRecorder
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -11,9 +11,11 @@ import torch
 from _helpers import tiny_engine, train
 from _tiny_gpt import batches
 
-from lightning_zero_offload.core import checks, device
+from lightning_zero_offload.core import checks
 
 # -- teardown: host buffers are freed before the pinned-memory cache is emptied ------------------
+from lightning_zero_offload.core.device import device
+
 
 def test_teardown_frees_host_buffers_before_the_device_closes() -> None:
     engine = tiny_engine(precision="bf16-mixed")

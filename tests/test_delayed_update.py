@@ -149,7 +149,7 @@ def test_delayed_profile_has_a_worker_lane_and_stall() -> None:
 
 
 def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_zero_offload.core.adam as step_mod
+    import lightning_zero_offload.core.rules.adam as step_mod
 
     eng, _ = _engine(make(), None)
     data = batches(W + 3)
@@ -246,7 +246,7 @@ def test_cpu_affinity_binds_the_step_and_bad_cores_are_an_error(
 def test_default_threads_share_this_process_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from lightning_zero_offload.core.threads import default_threads
+    from lightning_zero_offload.core.step.threads import default_threads
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)

@@ -1,4 +1,4 @@
-"""The device budget (``core.device_budget``): every device allocation the engine makes is
+"""The device budget (``core.buckets.device_budget``): every device allocation the engine makes is
 counted before it makes them, so the fraction a setup error names trains within the capacity it
 was named for (the emulated device's measured peak), a run that may accumulate in a half dtype
 has its fp32 sum budgeted, and a fixed fraction that leaves less than the headroom is warned of.
@@ -106,7 +106,7 @@ def test_a_fixed_fraction_inside_the_headroom_is_warned_of(caplog):
     """A fixed fraction whose device part leaves less than ``device_memory_headroom`` of the
     capacity free: a warning naming what it leaves (not an error: the user chose it); one that
     leaves more, or keeps nothing on the device, is not warned of. The run still trains."""
-    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.device_budget")
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.buckets.device_budget")
     capacity = _weights() * 4 + 120_000
     fraction = _named_fraction("32-true", capacity)
     with testing.emulated_async_device(seed=1, memory_bytes=capacity):
@@ -143,8 +143,8 @@ def test_the_planner_marks_a_fraction_inside_the_headroom():
 
 def test_the_planner_counts_the_engines_device_allocations():
     """The planner's device bytes for the tiny GPT's sizes are the engine's own count."""
-    from lightning_zero_offload.core import device_budget
-    from lightning_zero_offload.core.adam import Adam
+    from lightning_zero_offload.core.buckets import device_budget
+    from lightning_zero_offload.core.rules.adam import Adam
 
     engine = tiny_engine(precision="bf16-mixed", offload_fraction=1.0)
     got = device_budget.engine_parts(engine.layout, 0, torch.bfloat16, delayed=False, rule=Adam,

@@ -201,8 +201,8 @@ def test_accumulation_moves_gradients_off_the_autograd_thread(monkeypatch) -> No
     allocated before autograd starts, never inside a hook."""
     import threading
 
-    from lightning_zero_offload.core.host import HostBuffers
-    from lightning_zero_offload.core.stage import HostGradSide
+    from lightning_zero_offload.core.buckets.host import HostBuffers
+    from lightning_zero_offload.core.buckets.stage import HostGradSide
 
     calls: list[tuple[str, bool]] = []
     grad, alloc = HostGradSide.fp32_grad, HostBuffers.allocate_fp32
@@ -235,7 +235,7 @@ def test_accumulation_moves_gradients_off_the_autograd_thread(monkeypatch) -> No
 
 
 def _fail_once(monkeypatch, at: int) -> None:
-    import lightning_zero_offload.core.adam as step_mod
+    import lightning_zero_offload.core.rules.adam as step_mod
 
     real, count = step_mod.fused_adamw_, [0]
 
@@ -290,7 +290,7 @@ def test_delayed_weight_copy_span_ends_with_its_copies() -> None:
 def test_the_seed_variable_puts_a_cpu_engine_on_the_emulated_device(monkeypatch) -> None:
     """``LZO_EMULATED_DEVICE_SEED`` alone (no block) chooses the emulated device; unset, the plain
     CPU one. (``import lightning_zero_offload`` does not load it: tests/test_imports.py.)"""
-    from lightning_zero_offload.core.device import SyncDevice
+    from lightning_zero_offload.core.device.device import SyncDevice
     from lightning_zero_offload.testing import EmulatedDevice
 
     monkeypatch.setenv("LZO_EMULATED_DEVICE_SEED", "1")

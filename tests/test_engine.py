@@ -437,7 +437,7 @@ def test_checkpoint_files_are_atomic_and_corruption_is_reported(tmp_path, monkey
 
 
 def test_preflight_reports_both_numbers_and_changes_nothing(monkeypatch):
-    from lightning_zero_offload.core import preflight
+    from lightning_zero_offload.core.buckets import preflight
 
     class Mem:
         available = 1000
@@ -471,7 +471,7 @@ def test_teardown_returns_ordinary_fp32_parameters(precision):
 
 
 def test_full_state_dict_parts_equal_the_whole_and_gather_only_their_part(monkeypatch):
-    from lightning_zero_offload.core.shard import HostShard
+    from lightning_zero_offload.core.buckets.shard import HostShard
 
     engine = engine_for(precision="bf16-mixed", max_grad_norm=1.0)
     train(engine, batches(3))
@@ -544,8 +544,8 @@ def test_pinned_staging_is_budgeted_after_rounding():
     """F1: torch's pinned allocator rounds each block up to a power of two; staging slices are
     packed into power-of-two blocks, so the budget is what is reserved and close to the bytes
     used, where one pinned buffer per group would reserve up to twice as much."""
-    from lightning_zero_offload.core.host_plan import arena_blocks as _arena_blocks
-    from lightning_zero_offload.core.host_plan import pinned_size
+    from lightning_zero_offload.core.buckets.host_plan import arena_blocks as _arena_blocks
+    from lightning_zero_offload.core.buckets.host_plan import pinned_size
 
     assert [pinned_size(n) for n in (1, 2, 3, 1000, 2**20 + 1)] == [1, 2, 4, 1024, 2**21]
     slices = [25 * 2**20] * 537 + [7 * 2**20]  # a 6.7B-parameter model's bf16 bucket shards

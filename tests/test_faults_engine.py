@@ -15,7 +15,7 @@ from _helpers import rel_err, setup_error_with_rank_1_short, tiny_engine, train
 from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload
-from lightning_zero_offload.core.collectives import CollectiveError
+from lightning_zero_offload.core.dist.collectives import CollectiveError
 
 TIMEOUT = 5.0  # collective_timeout_s of the 2-rank failure cases
 MARGIN = 25.0  # process start, gloo connection teardown, a loaded 2-core machine
@@ -274,7 +274,7 @@ def test_reported_rewraps_a_lost_peer_but_not_a_local_error() -> None:
     """Under tensor parallelism a local error in a DTensor op (a shape mismatch, an OOM) passes
     through torch.distributed's code: it surfaces as itself; a lost peer's words from there
     become the engine's CollectiveError."""
-    from lightning_zero_offload.core import collectives
+    from lightning_zero_offload.core.dist import collectives
 
     local = _raised_in_torch_distributed(RuntimeError("a and b must have same reduction dim"))
     with pytest.raises(RuntimeError, match="same reduction dim") as info:
@@ -297,7 +297,7 @@ def test_the_first_failure_note_stays_when_two_ranks_fail_at_once(monkeypatch) -
     check-then-set would let the second note overwrite the first."""
     import torch.distributed as dist
 
-    from lightning_zero_offload.core import collectives
+    from lightning_zero_offload.core.dist import collectives
 
     class InFlight(dist.HashStore):
         def check(self, keys: list[str]) -> bool:  # the peer's note is not seen yet

@@ -10,8 +10,8 @@ from _dist import run_ranks
 from _helpers import tiny_engine
 
 from lightning_zero_offload import testing
-from lightning_zero_offload.core import device_budget, placement
-from lightning_zero_offload.core.adam import Adam
+from lightning_zero_offload.core.buckets import device_budget, placement
+from lightning_zero_offload.core.rules.adam import Adam
 
 K = 5  # the nearest split's device buckets; a rank one byte short of it takes K - 1
 

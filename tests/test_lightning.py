@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_zero_offload
 from lightning_zero_offload import ZeroOffloadConfig, ZeroOffloadFabricStrategy, ZeroOffloadStrategy
 from lightning_zero_offload.core import CheckpointError
-from lightning_zero_offload.core.profile import FIELDS
+from lightning_zero_offload.core.device.profile import FIELDS
 from lightning_zero_offload.lightning import ZeroOffloadPrecision
 from lightning_zero_offload.lightning import checkpoint as lckpt
 from lightning_zero_offload.lightning.checkpoint import consolidate_checkpoint
@@ -783,7 +783,7 @@ def test_a_fit_inside_the_users_except_block_is_not_a_failure(tmp_path, monkeypa
     """``trainer.fit`` called while the user handles an error of their own (a retry, a fallback)
     ends as a fit that went well: no failure is reported to the peers (on several ranks that
     would skip gathering the weights back); a fit that fails reports its own error."""
-    from lightning_zero_offload.core import collectives
+    from lightning_zero_offload.core.dist import collectives
 
     reported: list[BaseException] = []
     monkeypatch.setattr(collectives, "report_failure", reported.append)

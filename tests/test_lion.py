@@ -1,4 +1,4 @@
-"""The Lion rule (``core.lion``): the fused kernel and the device rule against
+"""The Lion rule (``core.rules.lion``): the fused kernel and the device rule against
 ``lion_pytorch.Lion``, the engine at every placement and on two ranks, compact moments,
 checkpoints, and what it refuses."""
 
@@ -23,8 +23,8 @@ from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffload, ops
 from lightning_zero_offload.core.checkpoint.formats import CheckpointError
-from lightning_zero_offload.core.lion import Hyper, Lion
-from lightning_zero_offload.core.rules import RULES, rule_for
+from lightning_zero_offload.core.rules.lion import Hyper, Lion
+from lightning_zero_offload.core.rules.rules import RULES, rule_for
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
 LR, WD, BETAS = 3e-3, 0.1, (0.9, 0.99)

@@ -11,7 +11,7 @@ from _helpers import tiny_engine
 from _tiny_gpt import batches, lm_loss
 
 from lightning_zero_offload import ZeroOffloadConfig
-from lightning_zero_offload.core.scaler import MIN_SCALE
+from lightning_zero_offload.core.step.scaler import MIN_SCALE
 
 
 @pytest.mark.parametrize("scale", [1e-40, 1e-30, 2.0**-25])

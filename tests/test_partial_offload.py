@@ -20,8 +20,8 @@ from _helpers import rel_err, tiny_engine, train
 from _tiny_gpt import batches, lm_loss, make, param_groups
 
 from lightning_zero_offload import ZeroOffloadConfig, testing
-from lightning_zero_offload.core import device_budget, placement
-from lightning_zero_offload.core.adam import Adam
+from lightning_zero_offload.core.buckets import device_budget, placement
+from lightning_zero_offload.core.rules.adam import Adam
 
 STEPS = 6
 
@@ -205,9 +205,9 @@ import json, torch
 from torch import nn
 import lightning_zero_offload as zo
 from lightning_zero_offload import testing
-from lightning_zero_offload.core import device_budget
-from lightning_zero_offload.core.adam import Adam
-from lightning_zero_offload.core.host import HostBuffers
+from lightning_zero_offload.core.buckets import device_budget
+from lightning_zero_offload.core.rules.adam import Adam
+from lightning_zero_offload.core.buckets.host import HostBuffers
 
 def status(key):
     return next(int(x.split()[1]) * 1024 for x in open("/proc/self/status") if x.startswith(key))
@@ -419,7 +419,7 @@ def test_a_fixed_fraction_off_its_split_is_said_once_however_near(caplog):
     on the device) and near (0.37 runs 0.0069 from it), never where it is a split itself."""
     import re
 
-    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.resident")
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.buckets.resident")
     engine = tiny_engine(precision="32-true", offload_fraction=0.5, bucket_size_mb=None)
     assert on_device(engine) == 1 and engine.offload_fraction > 0.9
     said = _said(caplog)
@@ -444,7 +444,7 @@ def test_the_nearest_split_that_does_not_fit_gives_way_to_more_on_the_host(caplo
     """A fraction just above a split: that split (one bucket more on the device) is the nearest;
     on a device one byte too small for it the engine takes the split above (more on the host),
     says both, and trains within the capacity."""
-    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.resident")
+    caplog.set_level(logging.WARNING, logger="lightning_zero_offload.core.buckets.resident")
     layout = tiny_engine(precision="32-true", offload_fraction=1.0).layout
     shards = [b.shard for b in layout.buckets]
     k = 5
@@ -502,8 +502,8 @@ def test_after_teardown_the_engine_holds_no_tensor_of_its_device_part():
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "int8"])
 def test_every_bucket_shard_exports_and_loads_its_state_in_place(moment_dtype):
-    """Host and device buckets answer the same interface (``core.shard``): what a shard exports
-    loads back into it unchanged, a load lands at its offset (a second engine trained alike
+    """Host and device buckets answer the same interface (``core.buckets.shard``): what a shard
+    exports loads back into it unchanged, a load lands at its offset (a second engine trained alike
     but whose shards were overwritten then restored continues bit for bit), and which owner
     holds each bucket is the placement's."""
     a, b = (tiny_engine(precision="32-true", offload_fraction=0.5, moment_dtype=moment_dtype)

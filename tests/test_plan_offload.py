@@ -174,7 +174,7 @@ def test_a_fixed_fraction_runs_at_the_nearest_whole_bucket_split_that_fits():
     """Of 40 buckets the splits are 1/40 apart: 0.34 runs at 0.35 (nearer than 0.325, where
     rounding the host share down took it), 0.337 at 0.325 (nearer, one bucket more on the
     device) and, on a device one byte short of that split's bytes, at 0.35, which fits: the
-    engine's own choice (``core.placement.count_for``)."""
+    engine's own choice (``core.buckets.placement.count_for``)."""
     kw = dict(precision="bf16-mixed", host_memory="1TiB", measure=False)
     assert plan(N, offload_fraction=0.34, device_memory="1TiB", **kw).offload_fraction == 0.35
     near = plan(N, offload_fraction=0.337, device_memory="1TiB", **kw)

@@ -627,7 +627,7 @@ def test_small_figures_show_their_unit(capsys):
 
 @pytest.mark.parametrize("moment_dtype", ["fp32", "int8"])
 def test_the_plan_says_what_an_asynchronous_save_copies_and_whether_it_fits(moment_dtype):
-    from lightning_zero_offload.core.adam import Adam
+    from lightning_zero_offload.core.rules.adam import Adam
 
     n = 10**9
     kw = dict(precision="bf16-mixed", device="cuda", device_memory="80GiB", measure=False,
@@ -681,7 +681,7 @@ def test_help_imports_no_torch_and_every_option_says_what_it_is():
 def test_the_optimizer_is_any_rule_of_the_registry_and_another_is_named(capsys) -> None:
     """``--optimizer`` takes every key of the engine's registry (none is listed twice, in the
     CLI and the registry); another is refused naming them all."""
-    from lightning_zero_offload.core.rules import RULES
+    from lightning_zero_offload.core.rules.rules import RULES
     from lightning_zero_offload.planner import cli
 
     with pytest.raises(SystemExit) as e:

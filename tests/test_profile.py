@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_zero_offload.core.profile import FIELDS, ProfileRecorder, summarize
+from lightning_zero_offload.core.device.profile import FIELDS, ProfileRecorder, summarize
 
 
 def test_fields_sum_spans_and_only_closed_steps_are_reported() -> None:
@@ -28,7 +28,7 @@ def test_fields_sum_spans_and_only_closed_steps_are_reported() -> None:
 
 
 def test_span_begin_end_and_device_span_of_the_sync_device() -> None:
-    from lightning_zero_offload.core.device import SyncDevice
+    from lightning_zero_offload.core.device.device import SyncDevice
 
     rec, dev = ProfileRecorder(), SyncDevice(torch.device("cpu"))
     rec.begin("fwd_bwd", 3)
@@ -102,7 +102,7 @@ def test_dump_and_summarize(tmp_path) -> None:
 
 
 class _Event:
-    """Stands in for a ``core.device.Event``: ``done`` until ``query``/``wait``."""
+    """Stands in for a ``core.device.device.Event``: ``done`` until ``query``/``wait``."""
 
     def __init__(self, done: bool, ms: float = 0.0) -> None:
         self.done, self.ms, self.waited = done, ms, False
@@ -140,7 +140,7 @@ def test_finished_never_waits_for_device_spans() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_span_measures_device_time() -> None:
-    from lightning_zero_offload.core.device import CudaDevice
+    from lightning_zero_offload.core.device.device import CudaDevice
 
     rec, dev = ProfileRecorder(), CudaDevice(torch.device("cuda", torch.cuda.current_device()))
     stream = dev.side_stream("test")

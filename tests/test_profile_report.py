@@ -16,7 +16,7 @@ from torch import nn
 
 import lightning_zero_offload as zo
 from lightning_zero_offload import profile_report
-from lightning_zero_offload.core.profile import FIELDS, StepProfile
+from lightning_zero_offload.core.device.profile import FIELDS, StepProfile
 from lightning_zero_offload.profile_report import draw, format_summary, main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,8 +42,8 @@ CAUGHT = {
     "event_wait": r"staging slice on the (host|h2d) stream.*d2h stream.*rule 1",
 }
 # "release" (record_stream) is not in the table: bucket buffers now live in a fixed ring
-# (core.ring) reused after compute_waits_event, so in this loop release only returns buffers the
-# ring never hands out again; a loop that overflows the ring would be needed to show it.
+# (core.transfer.ring) reused after compute_waits_event, so in this loop release only returns
+# buffers the ring never hands out again; a loop that overflows the ring would be needed to show it.
 
 
 @pytest.mark.parametrize("kind", sorted(CAUGHT))

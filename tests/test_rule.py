@@ -1,4 +1,4 @@
-"""The Adam rule (core.adam): its two implementations agree with each other and with torch."""
+"""The Adam rule (core.rules.adam): its two implementations agree with each other and with torch."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero_offload.core.adam import Adam, Hyper
-from lightning_zero_offload.core.rules import RULES, rule_for, rule_named
+from lightning_zero_offload.core.rules.adam import Adam, Hyper
+from lightning_zero_offload.core.rules.rules import RULES, rule_for, rule_named
 from lightning_zero_offload.ops import MOMENT_DTYPES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lightning_zero_offload"

@@ -16,8 +16,8 @@ import torch
 from _helpers import tiny_engine
 from _tiny_gpt import make
 
-from lightning_zero_offload.core import master_fill as host
 from lightning_zero_offload.core import setup as setup_mod
+from lightning_zero_offload.core.buckets import master_fill as host
 
 
 def _storages(model: torch.nn.Module) -> list[weakref.ref]:
@@ -52,7 +52,8 @@ def test_fp32_cpu_model_is_released_before_the_other_host_buffers(monkeypatch, p
 
 
 class _EmptySpy:
-    """``torch`` for core.host, recording each ``torch.empty`` (the fill's bounded buffer)."""
+    """``torch`` for core.buckets.host, recording each ``torch.empty`` (the fill's bounded
+    buffer)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, torch.dtype]] = []

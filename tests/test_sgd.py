@@ -1,4 +1,4 @@
-"""The SGD rule (``core.sgd``): ``torch.optim.SGD`` with momentum, dampening, Nesterov, weight
+"""The SGD rule (``core.rules.sgd``): ``torch.optim.SGD`` with momentum, dampening, Nesterov, weight
 decay and ``maximize`` against plain torch at every placement and on two ranks, a checkpoint
 that resumes bit for bit and loads into plain torch, compact momentum, and what it refuses."""
 
@@ -11,7 +11,7 @@ from _helpers import continues_in_plain_torch, rel_err, resumes_bit_for_bit, tra
 from _tiny_gpt import batches, lm_loss, make
 
 from lightning_zero_offload import ZeroOffload
-from lightning_zero_offload.core.rules import rule_named
+from lightning_zero_offload.core.rules.rules import rule_named
 
 LR, STEPS = 0.05, 20
 

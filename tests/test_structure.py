@@ -1,4 +1,5 @@
-"""The package's shape: no import circles (imports inside functions included) and small modules.
+"""The package's shape: no import circles (imports inside functions included), ``core``'s rooms
+importing one way, and small modules in small folders.
 
 Every module under ``src/lightning_zero_offload`` is parsed with ``ast``; an import at any depth
 counts except inside ``if TYPE_CHECKING:``. A package's ``__init__`` importing its own modules is
@@ -13,6 +14,15 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "lightning_zero_offload"
 MAX_LINES, MAX_ENGINE_LINES = 400, 300  # the engine wires the owners and holds the public API
+MAX_HOST_LINES = 250  # the host arrays and their budget only (issue 45)
+MAX_FOLDER_MODULES = 15  # per folder of core, its __init__ included
+CORE = "lightning_zero_offload.core"
+# core's rooms, bottom first: a module imports only from its own room or one listed before it.
+# "base" is core's own config.py and limits.py (options and constants every room reads); "top"
+# is the rest of core's own modules, which wire the rooms (engine, setup, checks, optimizer,
+# ranks) and the package's __init__.
+ROOMS = ("base", "dist", "rules", "device", "buckets", "transfer", "step", "checkpoint", "top")
+BASE = {"config", "limits"}
 
 
 def _modules() -> dict[str, Path]:
@@ -126,9 +136,53 @@ def test_no_import_circles() -> None:
 def test_modules_are_small() -> None:
     engine = len((PKG / "core" / "engine.py").read_text().splitlines())
     assert engine <= MAX_ENGINE_LINES, f"engine.py: {engine} lines (at most {MAX_ENGINE_LINES})"
+    host = len((PKG / "core" / "buckets" / "host.py").read_text().splitlines())
+    assert host <= MAX_HOST_LINES, f"buckets/host.py: {host} lines (at most {MAX_HOST_LINES})"
     big = {str(p.relative_to(SRC)): n for p in _modules().values()
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_core_folders_are_small() -> None:
+    big = {str(d.relative_to(SRC)): n for d in [PKG / "core", *(PKG / "core").rglob("*/")]
+           if d.is_dir() and (n := len(list(d.glob("*.py")))) > MAX_FOLDER_MODULES}
+    assert not big, f"folders of core with over {MAX_FOLDER_MODULES} modules: {big}"
+
+
+def room(module: str) -> str | None:
+    """The room of ``core`` a module is in (None outside core)."""
+    if module != CORE and not module.startswith(CORE + "."):
+        return None
+    parts = module[len(CORE) + 1:].split(".") if module != CORE else []
+    if len(parts) > 1:
+        return parts[0]
+    return "base" if parts and parts[0] in BASE else "top"
+
+
+def back_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between core's rooms against ``ROOMS``'s order (and rooms it does not list)."""
+    bad = []
+    for name, deps in sorted(graph.items()):
+        here = room(name)
+        if here is None:
+            continue
+        if here not in ROOMS:
+            bad.append(f"{name}: room {here!r} is not in ROOMS")
+            continue
+        for dep in sorted(deps):
+            there = room(dep)
+            if there is not None and there != here and (
+                    there not in ROOMS or ROOMS.index(there) > ROOMS.index(here)):
+                bad.append(f"{name} ({here}) imports {dep} ({there})")
+    return bad
+
+
+def test_core_rooms_import_one_way() -> None:
+    """``core`` is rooms named for what they own; each imports only from the rooms below it."""
+    rooms = {room(name) for name in import_graph()} - {None}
+    assert rooms == set(ROOMS), f"rooms {sorted(rooms)} != ROOMS {ROOMS}"
+    bad = back_imports(import_graph())
+    assert not bad, "imports against the rooms' order:\n" + "\n".join(bad)
 
 
 def _attribute_writes(tree: ast.AST) -> tuple[set[str], list[tuple[int, str, str]]]:
@@ -168,18 +222,18 @@ def test_no_core_module_writes_another_owners_attribute() -> None:
 
 
 # -- buckets: one record per bucket owns its place, its sides and its state (issue 45) ----------
-BUCKETS = PKG / "core" / "buckets.py"
+BUCKETS = PKG / "core" / "buckets" / "buckets.py"
 _IN_PLACE = ("copy_", "zero_")  # methods that write the tensor they are called on
 
 
 def _stage_and_shard_types() -> set[str]:
-    """The classes of a bucket's sides and shards (``core.stage``, ``core.shard``)."""
-    return {node.name for p in (PKG / "core" / "stage.py", PKG / "core" / "shard.py")
+    """The classes of a bucket's sides and shards (``buckets.stage``, ``buckets.shard``)."""
+    return {node.name for p in (BUCKETS.with_name("stage.py"), BUCKETS.with_name("shard.py"))
             for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ClassDef)}
 
 
 def _ours(tree: ast.AST, types: set[str]) -> set[str]:
-    """Names of ``types`` as a module spells them: imported from ``core.stage``/``core.shard``
+    """Names of ``types`` as a module spells them: imported from ``buckets.stage``/``buckets.shard``
     (another ``Shard``, DTensor's placement, is not ours), or ``stage.X``/``shard.X``."""
     out = set()
     for node in ast.walk(tree):
@@ -190,8 +244,8 @@ def _ours(tree: ast.AST, types: set[str]) -> set[str]:
 
 
 def placement_questions(tree: ast.AST, types: set[str]) -> list[tuple[int, str]]:
-    """Where a module asks where a bucket lives, outside ``core.buckets``: an ``isinstance`` on
-    a side or shard type, a ``.resident``, or ``len(...buckets) -`` (a suffix counted)."""
+    """Where a module asks where a bucket lives, outside ``buckets.buckets``: an ``isinstance`` on a
+    side or shard type, a ``.resident``, or ``len(...buckets) -`` (a suffix counted)."""
     found, ours = [], _ours(tree, types)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
@@ -282,13 +336,20 @@ def test_no_core_module_writes_another_owners_tensors_in_place() -> None:
 def test_the_structure_checks_see_what_they_forbid() -> None:
     """Each check, on a planted violation."""
     types = {"HostShard", "DeviceGradSide"}
-    for src in ("from lightning_zero_offload.core.shard import HostShard\n"
+    for src in ("from lightning_zero_offload.core.buckets.shard import HostShard\n"
                 "isinstance(s, HostShard)", "isinstance(s, (int, stage.DeviceGradSide))",
                 "x = host.resident", "n = len(self.layout.buckets) - k"):
         assert placement_questions(ast.parse(src), types), src
     for src in ("n = len(shards) - k\nisinstance(x, int)",
                 "from torch.distributed.tensor import Shard\nisinstance(p, Shard)"):
         assert not placement_questions(ast.parse(src), types | {"Shard"}), src
+    bad = back_imports({f"{CORE}.rules.rule": {f"{CORE}.buckets.layout", f"{CORE}.config"},
+                        f"{CORE}.dist.collectives": {f"{CORE}.engine"},
+                        f"{CORE}.buckets.host": {f"{CORE}.buckets.layout", f"{CORE}.rules.rule"},
+                        f"{CORE}.engine": {f"{CORE}.step.step"}, f"{CORE}.attic.old": set()})
+    assert bad == [f"{CORE}.attic.old: room 'attic' is not in ROOMS",
+                   f"{CORE}.dist.collectives (dist) imports {CORE}.engine (top)",
+                   f"{CORE}.rules.rule (rules) imports {CORE}.buckets.layout (buckets)"], bad
     owned = {"master": ["shard.py"], "moments": ["host.py"]}
     for src in ("def f(host):\n    host.master[0].copy_(x)",
                 "def f(b):\n    b.shard.master[2:4] = x",

@@ -317,7 +317,7 @@ def test_train_inside_the_users_except_block_is_not_a_failure(tmp_path, monkeypa
     """The common fallback ``except ValueError: trainer.train()`` (no checkpoint to resume
     from): the run that went well is not reported as failed (on several ranks that would skip
     gathering the fp32 weights back and free the state save_model needs)."""
-    from lightning_zero_offload.core import collectives
+    from lightning_zero_offload.core.dist import collectives
 
     reported: list[BaseException] = []
     monkeypatch.setattr(collectives, "report_failure", reported.append)

@@ -58,7 +58,7 @@ from lightning_zero_offload.config_env import (  # noqa: E402
 )
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig  # noqa: E402
 from lightning_zero_offload.core.optimizer import mark_stepped  # noqa: E402
-from lightning_zero_offload.core.rules import supported  # noqa: E402
+from lightning_zero_offload.core.rules.rules import supported  # noqa: E402
 
 __all__ = [
     "ZeroOffloadPlugin",

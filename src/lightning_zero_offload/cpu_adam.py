@@ -2,7 +2,7 @@
 
 Param groups and state use torch's AdamW format (group keys such as ``decoupled_weight_decay``;
 per-parameter ``step`` as a float32 scalar tensor and the two moments by torch's names,
-``core.adam.Adam.STATE``), so with the default ``moment_dtype="fp32"`` a state dict moves
+``core.rules.adam.Adam.STATE``), so with the default ``moment_dtype="fp32"`` a state dict moves
 between ``CPUAdam`` and ``torch.optim.AdamW`` in both directions.
 
 Compact moments (``moment_dtype="bf16"`` or ``"int8"``, see ``lightning_zero_offload.ops.moments``)
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.adam import Adam
+from lightning_zero_offload.core.rules.adam import Adam
 from lightning_zero_offload.ops import BLOCK, MOMENT_DTYPES, Moments, fused_adamw_
 
 __all__ = ["CPUAdam"]

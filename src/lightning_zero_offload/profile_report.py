@@ -2,7 +2,7 @@
 
 ``engine.profile`` (or the JSON :func:`save` writes, ``{"records": [...]}``) holds per-step
 seconds for ``fwd_bwd``, ``grad_wait``, ``cpu_step``, ``weight_copy`` and ``stall`` (see
-:class:`~lightning_zero_offload.core.profile.StepProfile`) plus the spans for timelines::
+:class:`~lightning_zero_offload.core.device.profile.StepProfile`) plus the spans for timelines::
 
     print(format_summary(engine.profile))
     save(engine.profile, "run.json")  # Lightning: trainer.strategy.engine.profile (during fit)
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_zero_offload.core.profile import FIELDS
+from lightning_zero_offload.core.device.profile import FIELDS
 
 __all__ = ["format_summary", "save", "load", "draw", "main"]
 

@@ -1,6 +1,7 @@
 """Argument checks of the engine: the device, the optimizer, the module and the inputs' dtype;
 every bad input gets a clear error that says what to do. (The hyperparameters' checks at each
-step are the update rule's, ``core.rule``; a checkpoint's are ``core.checkpoint.validation``'s.)"""
+step are the update rule's, ``core.rules.rule``; a checkpoint's are
+``core.checkpoint.validation``'s.)"""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero_offload.core import rules
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.optimizer import OffloadOptimizer
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rules import rules
+from lightning_zero_offload.core.rules.rule import Rule
 
 
 def engine_config(config: ZeroOffloadConfig | None, overrides: dict) -> ZeroOffloadConfig:
@@ -89,7 +90,7 @@ def rank_and_world(group: object | None) -> tuple[int, int]:
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> Rule:
     """Validate the user's optimizer; return its update rule. The one optimizer check of the
-    engine and every adapter (which optimizers the rules take: ``core.rules``)."""
+    engine and every adapter (which optimizers the rules take: ``core.rules.rules``)."""
     if isinstance(optimizer, OffloadOptimizer):
         raise TypeError("ZeroOffload: this optimizer already belongs to a ZeroOffload engine")
     return rules.rule_for(optimizer)

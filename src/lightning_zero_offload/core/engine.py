@@ -1,7 +1,6 @@
 """``ZeroOffload``: the engine a plain PyTorch loop (or an adapter) drives.
 
-It wires the owners (``host``, ``weights``, ``streaming``, ``step``, ``update`` with ``rule``,
-``delayed``, ``checkpoint``, ``device``; each module says what it owns) and holds the public API.
+It wires the owners (each sub-package of ``core`` says what it owns) and holds the public API.
 """
 
 from __future__ import annotations
@@ -16,12 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import checks, collectives, setup, tensor_parallel
+from lightning_zero_offload.core import checks, setup
 from lightning_zero_offload.core.checkpoint import EngineState, stream
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
+from lightning_zero_offload.core.device.profile import PassTimer, StepProfile
+from lightning_zero_offload.core.dist import collectives, tensor_parallel
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-from lightning_zero_offload.core.profile import PassTimer, StepProfile
 
 
 class ZeroOffload:
@@ -183,7 +183,7 @@ class ZeroOffload:
 
     @property
     def profile(self) -> list[StepProfile]:
-        """Timings of the recent landed steps (``core.profile.StepProfile``), oldest first."""
+        """Timings of the recent landed steps (``device.profile.StepProfile``), oldest first."""
         return self._profile.records
 
     @property

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_zero_offload.core import collectives
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.tensor_parallel import local
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.dist.tensor_parallel import local
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 1. :func:`place`: the device part is chosen and checked (the host and device budgets, agreed
    over the ranks) before anything is allocated; the bucket records are made
-   (``core.buckets``), the device buckets' memory with them.
+   (``core.buckets.buckets``), the device buckets' memory with them.
 2. :func:`fill`: the host's master arrays, then the fp32 master of every bucket, loaded into
    its shard wherever it lives.
 3. :func:`bind_weights`: the device weights take the parameters over; their fp32 storage goes,
@@ -27,22 +27,22 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.core import ranks
-from lightning_zero_offload.core.buckets import Buckets
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.host import HostBuffers, budget_at
+from lightning_zero_offload.core.buckets.layout import Layout, build_layout, shard_align
+from lightning_zero_offload.core.buckets.master_fill import fill_master
+from lightning_zero_offload.core.buckets.resident import DevicePart
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import DelayedUpdate
-from lightning_zero_offload.core.device import SyncDevice
-from lightning_zero_offload.core.device_factory import make_device
-from lightning_zero_offload.core.host import HostBuffers, budget_at
-from lightning_zero_offload.core.layout import Layout, build_layout, shard_align
-from lightning_zero_offload.core.master_fill import fill_master
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.resident import DevicePart
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.step import Stepper
-from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.threads import CpuStepWorker, step_threads
-from lightning_zero_offload.core.update import DeviceUpdate, HostUpdate, SyncUpdate
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.device.device import SyncDevice
+from lightning_zero_offload.core.device.device_factory import make_device
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.rules.rule import Rule
+from lightning_zero_offload.core.step.delayed import DelayedUpdate
+from lightning_zero_offload.core.step.step import Stepper
+from lightning_zero_offload.core.step.threads import CpuStepWorker, step_threads
+from lightning_zero_offload.core.step.update import DeviceUpdate, HostUpdate, SyncUpdate
+from lightning_zero_offload.core.transfer.streaming import GradStreamer
+from lightning_zero_offload.core.transfer.weights import DeviceWeights
 
 # module -> its engine, both held weakly (a module may be wrapped by one live engine at a time)
 _ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -73,7 +73,7 @@ class Where:
     rank: int
     group: Any  # the engine's data-parallel process group
     device: torch.device
-    tp: Any  # core.tensor_parallel.TensorParallel or None
+    tp: Any  # core.dist.tensor_parallel.TensorParallel or None
     rule: Rule  # the update rule of the user's optimizer
 
     @functools.cached_property

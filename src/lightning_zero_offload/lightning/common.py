@@ -24,9 +24,9 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from lightning_zero_offload.config_env import build_config
 from lightning_zero_offload.core import ZeroOffload, ZeroOffloadConfig
-from lightning_zero_offload.core.collectives import collective_device
+from lightning_zero_offload.core.dist.collectives import collective_device
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
-from lightning_zero_offload.core.rules import supported
+from lightning_zero_offload.core.rules.rules import supported
 
 Scheduler = LRScheduler | ReduceLROnPlateau
 

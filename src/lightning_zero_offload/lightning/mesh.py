@@ -17,7 +17,7 @@ from typing import Any, Literal
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_zero_offload.core.tensor_parallel import DP, TP
+from lightning_zero_offload.core.dist.tensor_parallel import DP, TP
 
 Size = Literal["auto"] | int
 

@@ -27,7 +27,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero_offload.core.config import PRECISIONS
-from lightning_zero_offload.core.rules import supported
+from lightning_zero_offload.core.rules.rules import supported
 from lightning_zero_offload.lightning.common import check_clip_algorithm
 
 if TYPE_CHECKING:

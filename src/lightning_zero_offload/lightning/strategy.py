@@ -3,9 +3,8 @@
 It subclasses ``DDPStrategy`` for the launcher, process-group setup, barrier and reduce, but never
 wraps the model in DDP: the engine reduces (and partitions) the gradients itself while streaming
 them to the host. The engine is built in ``setup`` right after ``configure_optimizers``, takes over
-the optimizer, and its facade (whose ``param_groups`` are the user's group dicts, so
-LR schedulers and ``LearningRateMonitor`` act on the live values) becomes the Trainer's optimizer.
-"""
+the optimizer, and its facade (whose ``param_groups`` are the user's group dicts, so LR schedulers
+and ``LearningRateMonitor`` act on the live values) becomes the Trainer's optimizer."""
 
 from __future__ import annotations
 
@@ -30,8 +29,9 @@ from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_zero_offload.core import ZeroOffloadConfig, collectives
-from lightning_zero_offload.core.profile import FIELDS
+from lightning_zero_offload.core import ZeroOffloadConfig
+from lightning_zero_offload.core.device.profile import FIELDS
+from lightning_zero_offload.core.dist import collectives
 from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning import mesh as tp_mesh
 from lightning_zero_offload.lightning.common import (
@@ -84,7 +84,7 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     loggers, not the progress bar) the pre-clip global gradient norm as ``zero_offload/grad_norm``
     (also ``strategy.grad_norm``) and the engine's step profile in milliseconds:
     ``zero_offload/fwd_bwd_ms``, ``grad_wait_ms``, ``cpu_step_ms``, ``weight_copy_ms`` (CUDA
-    only) and ``stall_ms`` (see ``core.profile.StepProfile``). The profile is the newest step
+    only) and ``stall_ms`` (see ``core.device.profile.StepProfile``). The profile is the newest step
     whose timings are all in: with delayed update, or while weight copies still run on CUDA, it
     is an earlier step's. Gradients never stay on the device, so ``param.grad`` is ``None`` in
     hooks such as ``on_before_optimizer_step``.

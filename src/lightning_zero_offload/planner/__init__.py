@@ -15,11 +15,11 @@ ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compu
 ``bf16-mixed``/``16-mixed``, 4 for ``32-true``):
 
 host, per rank
-    exactly what the engine budgets (``core.host.plan_counts`` and ``core.host.budget``, the
-    functions ``ZeroOffload`` itself sizes with), over buckets of ``bucket_size_mb``: fp32
-    master weights ``4 S`` and the rule's state (``optimizer``; ``Rule.host_bytes``: Adam's two
-    moments, Lion's one, each fp32 ``4 S``, bf16 ``2 S`` or int8 ``S`` plus an fp32 scale per
-    256 elements, by ``moment_dtype``); the
+    exactly what the engine budgets (``core.buckets.host.plan_counts`` and
+    ``core.buckets.host.budget``, the functions ``ZeroOffload`` itself sizes with), over buckets of
+    ``bucket_size_mb``: fp32 master weights ``4 S`` and the rule's state (``optimizer``;
+    ``Rule.host_bytes``: Adam's two moments, Lion's one, each fp32 ``4 S``, bf16 ``2 S`` or int8
+    ``S`` plus an fp32 scale per 256 elements, by ``moment_dtype``); the
     fp32 gradient ``4 S`` (as ``plan_counts`` counts it for a run that accumulates,
     ``accumulate``, or not; ``host_bytes_accumulating`` is the accumulating figure); on a GPU the
     gradient staging ``h S`` and, in half precision, the kernel's weight output ``h S``, packed
@@ -34,7 +34,7 @@ device (CUDA)
     update, three gradient buckets of ``bucket_size_mb`` (one filling while at most two are
     reduced and copied out: ``core.limits.MAX_IN_FLIGHT``) and with several ranks three
     reduce-scatter outputs of ``bucket_size_mb / world_size`` (the engine's own count,
-    ``core.device_budget``) and, when ``batch_size``/
+    ``core.buckets.device_budget``) and, when ``batch_size``/
     ``seq_len`` and a model config are given, an activation estimate (batch ``b``, sequence
     ``s``, hidden size ``H``, ``a`` heads, ``L`` layers, vocabulary ``V``) for a decoder-only
     transformer without recomputation (Korthikanti et al. 2022, 16-bit:

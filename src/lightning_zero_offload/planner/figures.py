@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import device_budget
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.rules import RULES, rule_named
+from lightning_zero_offload.core.buckets import device_budget
+from lightning_zero_offload.core.rules.rule import Rule
+from lightning_zero_offload.core.rules.rules import RULES, rule_named
 from lightning_zero_offload.planner import inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
@@ -74,7 +74,7 @@ class Plan:
     device_step_elements: int = 0
     device_step_bytes: int = 0
     device_step_seconds: float | None = None
-    optimizer: str = "adamw"  # the update rule planned for (core.rules)
+    optimizer: str = "adamw"  # the update rule planned for (core.rules.rules)
 
     @property
     def host_usable(self) -> int | None:
@@ -92,8 +92,8 @@ class Plan:
 
 def _buckets(trained: int, precision: str, world_size: int, bucket_bytes: int,
              moment_dtype: str) -> list[int]:
-    """The buckets' elements in reduction order, padded as ``core.layout`` pads them."""
-    from lightning_zero_offload.core.layout import shard_align
+    """The buckets' elements in reduction order, padded as ``core.buckets.layout`` pads them."""
+    from lightning_zero_offload.core.buckets.layout import shard_align
 
     h = _ELEM[precision]
     unit = shard_align(moment_dtype) * world_size
@@ -108,10 +108,10 @@ def _counts(trained: int, frozen: int, precision: str, world_size: int, device: 
             accumulate: bool, on_device: int, rule: Rule) -> tuple[dict, dict]:
     """(device breakdown, host breakdown) for these counts, the last ``on_device`` buckets'
     optimizer state on the device (``split``). The host side is the engine's own sizing
-    (``core.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``, for a
-    run that accumulates gradients or not."""
+    (``core.buckets.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``,
+    for a run that accumulates gradients or not."""
+    from lightning_zero_offload.core.buckets.host import budget, plan_counts
     from lightning_zero_offload.core.config import PRECISIONS
-    from lightning_zero_offload.core.host import budget, plan_counts
     from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 
     dtype, h = PRECISIONS[precision], _ELEM[precision]
@@ -163,7 +163,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     ``seq x seq`` scores are kept) or ``"memory-efficient"`` (SDPA/flash kernels keep none).
     ``accumulate``: the run accumulates gradients over several backward passes, so its host
     figure is the accumulating one. ``optimizer``: the update rule's key (``"adamw"``:
-    Adam/AdamW, ``"lion"``, any of ``core.rules.RULES``), whose state the host keeps, for an
+    Adam/AdamW, ``"lion"``, any of ``core.rules.rules.RULES``), whose state the host keeps, for an
     optimizer made with ``optimizer_options`` (those that shape its state). ``offload_fraction``
     (a number in [0, 1] or ``"auto"``) and ``device_memory_headroom`` are
     ``ZeroOffloadConfig``'s: the share of the optimizer state on the host (the rest, whole
@@ -233,7 +233,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     if measure:
         import torch
 
-        from lightning_zero_offload.core.threads import default_threads
+        from lightning_zero_offload.core.step.threads import default_threads
 
         threads = cpu_threads or default_threads(world_size, torch.device(device),
                                                  delayed_update)

@@ -10,7 +10,7 @@ from typing import Any
 MAX_PARAMS = 10**12  # the planner counts bucket by bucket: beyond a trillion it takes minutes
 # The settings' names and defaults, here (no torch) so that ``lzo-plan --help`` imports nothing
 # heavy: bytes per element of each precision's compute dtype, the moment dtypes, the defaults
-# (the update rules' keys are the registry's, ``core.rules.RULES``, checked when planning).
+# (the update rules' keys are the registry's, ``core.rules.rules.RULES``, checked when planning).
 ELEM = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
 MOMENT_DTYPES = ("fp32", "bf16", "int8")
 DEFAULT_HOST_RESERVE = "10%"

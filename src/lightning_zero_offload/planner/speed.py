@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from lightning_zero_offload.core import device_budget
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.buckets import device_budget
+from lightning_zero_offload.core.rules.rule import Rule
 
 
 def device_step_bytes(h: int, rule: Rule) -> int:

@@ -6,9 +6,9 @@ trailing buckets (whose gradients arrive last in backward: the model's first lay
 device, whole: the split whose host share is the nearest to ``offload_fraction``, or the one
 above it (more on the host) where the nearer does not fit the device; the fraction reported is
 the host's elements over all of them. What a device-resident element
-costs the device is the engine's count (``core.device_budget``); it costs the host nothing. The
-split is the engine's own (``core.placement``). ``"auto"`` keeps on the device only what the
-host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
+costs the device is the engine's count (``core.buckets.device_budget``); it costs the host nothing.
+The split is the engine's own (``core.buckets.placement``). ``"auto"`` keeps on the device only what
+the host cannot hold (``resolve_auto``), then after the first step moves more while the device stays
 within ``1 - device_memory_headroom`` of its memory (``most_on_device``).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning_zero_offload.core.placement import count_for, host_share
+from lightning_zero_offload.core.buckets.placement import count_for, host_share
 from lightning_zero_offload.planner import inputs
 
 AUTO, DEFAULT_HEADROOM = inputs.AUTO, inputs.DEFAULT_HEADROOM
@@ -25,7 +25,7 @@ AUTO, DEFAULT_HEADROOM = inputs.AUTO, inputs.DEFAULT_HEADROOM
 
 def host_fraction(shards: list[int], k: int) -> float:
     """The share of the trained elements on the host when the last ``k`` buckets stay on the
-    device (the engine's ``core.placement.host_share``)."""
+    device (the engine's ``core.buckets.placement.host_share``)."""
     return host_share(shards, k)
 
 
@@ -33,7 +33,7 @@ def device_buckets(shards: list[int], fraction: float,
                    fits: Callable[[int], bool] | None = None) -> int:
     """How many trailing buckets stay on the device for ``offload_fraction=fraction``: the
     whole-bucket split nearest to it, or the one above it (more on the host) where the nearer
-    does not ``fits`` the device (the engine's ``core.placement.count_for``)."""
+    does not ``fits`` the device (the engine's ``core.buckets.placement.count_for``)."""
     return count_for(shards, fraction, fits)
 
 

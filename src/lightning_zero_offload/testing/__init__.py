@@ -2,8 +2,8 @@
 (``emulated_device``) and its race detector (``race_detector``).
 
 ``import lightning_zero_offload`` does not load this package; importing it registers the
-:func:`emulated_async_device` block's chooser with ``core.device_factory.make_device``, which also
-loads the emulated device by itself when ``LZO_EMULATED_DEVICE_SEED`` is set.
+:func:`emulated_async_device` block's chooser with ``core.device.device_factory.make_device``, which
+also loads the emulated device by itself when ``LZO_EMULATED_DEVICE_SEED`` is set.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.device import WAIT_KINDS, SyncDevice, check_skip_waits
-from lightning_zero_offload.core.device_factory import register_test_device
+from lightning_zero_offload.core.device.device import WAIT_KINDS, SyncDevice, check_skip_waits
+from lightning_zero_offload.core.device.device_factory import register_test_device
 from lightning_zero_offload.testing.emulated_device import EmulatedDevice, detector_default
 from lightning_zero_offload.testing.race_detector import StreamOrderError
 
@@ -52,7 +52,7 @@ def emulated_async_device(seed: int = 0, max_delay_ms: float = 3.0, *,
     reduce-scatters, host-to-device weight copies and all-gathers on emulated side streams:
     worker threads that run their queues in order after seeded random delays of up to
     ``max_delay_ms`` each, with events, waits and NaN-poisoned buffer reuse, as
-    ``core.device`` describes. A run that passes on the plain CPU must give the
+    ``core.device.device`` describes. A run that passes on the plain CPU must give the
     same result here; a missing wait shows up as a different one. ``stream_delay_ms`` sets
     another maximum for named streams (``"d2h"``: gradients, ``"h2d"``: weights), to make one
     direction the slow one. Yields the list of emulated devices created (for inspection, e.g.

@@ -1,7 +1,7 @@
 """The emulated asynchronous device: side streams as delayed worker threads over CPU tensors.
 
-See ``core.device`` for the ordering rules it checks (rule 3, a side stream that does not wait
-for the compute stream, through the race detector of ``testing.race_detector``), and
+See ``core.device.device`` for the ordering rules it checks (rule 3, a side stream that does not
+wait for the compute stream, through the race detector of ``testing.race_detector``), and
 ``lightning_zero_offload.testing`` for the hooks that turn it on.
 """
 
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_zero_offload.core.collectives import release_group, side_group
-from lightning_zero_offload.core.device import Event, SyncDevice, check_skip_waits
+from lightning_zero_offload.core.device.device import Event, SyncDevice, check_skip_waits
+from lightning_zero_offload.core.dist.collectives import release_group, side_group
 from lightning_zero_offload.testing import race_detector as races
 from lightning_zero_offload.testing.race_detector import COMPUTE, HOST, Clock, RaceDetector, join
 
@@ -173,7 +173,7 @@ def _stop_all() -> None:
 class EmulatedDevice(SyncDevice):
     """Side streams as delayed worker threads over CPU tensors; see the module docstring.
     ``race_detector``: check every stream-ordering rule (``testing.race_detector``);
-    ``skip_waits``: wait kinds of ``core.device.WAIT_KINDS`` to drop (mutation tests)."""
+    ``skip_waits``: wait kinds of ``core.device.device.WAIT_KINDS`` to drop (mutation tests)."""
 
     asynchronous = True
 
@@ -344,7 +344,7 @@ def detector_default() -> bool:
 
 def from_environment(device: torch.device, process_group: Any, seed: str,
                      timeout_s: float | None) -> EmulatedDevice:
-    """The device ``LZO_EMULATED_DEVICE_SEED=seed`` asks for (``core.device_factory``)."""
+    """The device ``LZO_EMULATED_DEVICE_SEED=seed`` asks for (``core.device.device_factory``)."""
     try:
         value = int(seed)
     except ValueError:

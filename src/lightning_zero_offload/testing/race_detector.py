@@ -1,4 +1,5 @@
-"""The emulated device's race detector: checks rule 3 of ``core.device`` (and re-checks 1, 2, 4).
+"""The emulated device's race detector: checks rule 3 of ``core.device.device`` (and re-checks 1, 2,
+4).
 
 The emulation runs the compute stream as the main thread, so a side stream that forgets to wait
 for it still sees finished data. This module checks the order the engine *declared* instead, as
@@ -24,12 +25,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 from torch.utils._pytree import tree_leaves
 
-from lightning_zero_offload.core.tensor_parallel import local
+from lightning_zero_offload.core.dist.tensor_parallel import local
 
 COMPUTE, HOST = "compute", "host"
 Clock = dict[str, int]
 
-RULES = {  # (who accessed second, kind) -> the rule of core.device it breaks
+RULES = {  # (who accessed second, kind) -> the rule of core.device.device it breaks
     1: "rule 1 (a host access to a buffer a side stream uses follows Event.wait)",
     2: "rule 2 (compute work after a side stream's work it depends on follows compute_waits)",
     3: "rule 3 (a side stream reading what the compute stream wrote or still reads follows "

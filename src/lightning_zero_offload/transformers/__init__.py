@@ -43,7 +43,7 @@ from lightning_zero_offload.accelerate import (  # noqa: E402
 )
 from lightning_zero_offload.config_env import build_config, load_config_file  # noqa: E402
 from lightning_zero_offload.core import ZeroOffload  # noqa: E402
-from lightning_zero_offload.core.profile import FIELDS  # noqa: E402
+from lightning_zero_offload.core.device.profile import FIELDS  # noqa: E402
 from lightning_zero_offload.transformers.args import enabled, with_zero_offload  # noqa: E402
 from lightning_zero_offload.transformers.optim import optimizer_for  # noqa: E402
 

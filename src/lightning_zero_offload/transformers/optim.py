@@ -1,7 +1,7 @@
 """The Trainer's ``optim`` names that the engine trains with an optimizer of its own choosing.
 
 Some ``TrainingArguments.optim`` values name an optimizer from a package the engine does not use
-(bitsandbytes' for ``"lion_32bit"``) although an update rule of the engine (``core.rules``)
+(bitsandbytes' for ``"lion_32bit"``) although an update rule of the engine (``core.rules.rules``)
 implements the same update. Under ZeRO-Offload the Trainer gets that rule's optimizer instead,
 built from the same arguments (the learning rate, and the betas the Trainer would pass); the
 Trainer's param groups bring the weight decay. Every other name goes to the Trainer as it is.

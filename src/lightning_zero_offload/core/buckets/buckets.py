@@ -2,17 +2,17 @@
 
 A :class:`Bucket` owns everything about one bucket of this rank: its group and its range (of
 the group's flat buffer, and of the group's host arrays), its pieces (each parameter's part of
-the shard), its gradient side for each gradient set (``core.stage``: where its reduced gradient
-lands) and its state shard (``core.shard``: the fp32 master and the rule's state), and its place,
-host or device. Host and device buckets have the same two sides, so nothing else asks where a
-bucket lives: the streamer hands gradients to ``bucket.grad(set)``, the step walks
+the shard), its gradient side for each gradient set (``core.buckets.stage``: where its reduced
+gradient lands) and its state shard (``core.buckets.shard``: the fp32 master and the rule's state),
+and its place, host or device. Host and device buckets have the same two sides, so nothing else asks
+where a bucket lives: the streamer hands gradients to ``bucket.grad(set)``, the step walks
 :meth:`Buckets.host` and :meth:`Buckets.device`, checkpoints read and load ``bucket.shard``.
 
 Placement is answered here and nowhere else: with ``count`` buckets on the device they are the
-trailing ones of the reduction order (:func:`on_device`; ``core.placement`` chooses the count),
-and the auto move (:meth:`Buckets.to_device`) takes the host's last ones next. The host arrays
-themselves (master, moments, gradients, staging) are ``core.host``'s: a host bucket's sides read
-its slices of them.
+trailing ones of the reduction order (:func:`on_device`; ``core.buckets.placement`` chooses the
+count), and the auto move (:meth:`Buckets.to_device`) takes the host's last ones next. The host
+arrays themselves (master, moments, gradients, staging) are ``core.buckets.host``'s: a host bucket's
+sides read its slices of them.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import SyncDevice
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.shard import DeviceShard, HostShard, Shard
-from lightning_zero_offload.core.stage import DeviceGradSide, HostGradSide
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.shard import DeviceShard, HostShard, Shard
+from lightning_zero_offload.core.buckets.stage import DeviceGradSide, HostGradSide
+from lightning_zero_offload.core.device.device import SyncDevice
+from lightning_zero_offload.core.rules.rule import Rule
 
 if TYPE_CHECKING:  # the host arrays are built after the records (setup's order)
-    from lightning_zero_offload.core.host import HostBuffers
+    from lightning_zero_offload.core.buckets.host import HostBuffers
 
 GradSide = HostGradSide | DeviceGradSide
 HOST, DEVICE = "host", "device"
@@ -128,7 +128,7 @@ class Buckets:
         self._places()
 
     def attach(self, arrays: HostBuffers) -> None:
-        """The host buckets' shards and sides, over ``arrays`` (``core.host``)."""
+        """The host buckets' shards and sides, over ``arrays`` (``core.buckets.host``)."""
         self.arrays = arrays
         for bucket in self.host():
             self._on_host(bucket)
@@ -174,7 +174,7 @@ class Buckets:
     # -- gradients ------------------------------------------------------------------------------
     def sources(self, flushes: list[int]) -> list[Tensor]:
         """Per bucket, the kernel's gradient in the set backward filled, after ``flushes[b]``
-        flushes since ``zero_grad`` (``core.stage``'s ``source``)."""
+        flushes since ``zero_grad`` (``core.buckets.stage``'s ``source``)."""
         s = self.filling
         return [bk.grad(s).source(self.dev, flushes[bk.b]) for bk in self._all]
 

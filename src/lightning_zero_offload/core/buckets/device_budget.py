@@ -2,7 +2,7 @@
 
 The setup check of a fixed ``offload_fraction`` (and the smallest fraction its error names),
 ``"auto"`` at setup and the planner (``lzo-plan``) all count with :func:`parts`: the flat device
-weights (a spare set under delayed update), the gradient streamer's ring (``core.ring``:
+weights (a spare set under delayed update), the gradient streamer's ring (``core.transfer.ring``:
 :data:`BUCKET_BUFFERS` slots of the largest bucket and, with several ranks, of its largest
 shard) and the device part's state, per element (:func:`element_bytes`: the fp32 master and
 the update rule's state). What is not the
@@ -17,11 +17,11 @@ import logging
 import torch
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core.buckets import on_device as device_buckets
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.buckets.buckets import on_device as device_buckets
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.placement import device_count, host_fraction
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
-from lightning_zero_offload.core.placement import device_count, host_fraction
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rules.rule import Rule
 
 logger = logging.getLogger(__name__)
 

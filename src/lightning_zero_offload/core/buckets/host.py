@@ -1,22 +1,22 @@
-"""The host arrays of this rank's shard: one owner, one budget (``core.host_plan`` sizes them).
+"""The host arrays of this rank's shard: one owner, one budget (``host_plan`` sizes them).
 
-Per optimizer group, over the host buckets' shards (``core.buckets``): the fp32 master weights,
-the rule's state (an ``ops.Moments`` in the config's ``moment_dtype``: fp32, bf16, or 8-bit codes
-plus per-block scales) and, where the run accumulates, the fp32 gradient. Per host bucket, on an
-asynchronous device: one gradient staging slice (compute dtype) for both directions: the
+Per optimizer group, over the host buckets' shards (``core.buckets.buckets``): the fp32 master
+weights, the rule's state (an ``ops.Moments`` in the config's ``moment_dtype``: fp32, bf16, or 8-bit
+codes plus per-block scales) and, where the run accumulates, the fp32 gradient. Per host bucket, on
+an asynchronous device: one gradient staging slice (compute dtype) for both directions: the
 device-to-host copy lands there, the kernel writes the new half weights in place over the
 gradient it consumed (or, where the source was the fp32 gradient, over the staging already
-folded into it), and the host-to-device copy reads them from there (rule 6 of ``core.device``).
-With delayed update a second gradient set (staging, and the fp32 gradient where the run
-accumulates) receives the next backward while the step reads the first. On the CPU the fp32
-gradient is where buckets land (always there) and the weights are written by the kernel or cast
+folded into it), and the host-to-device copy reads them from there (rule 6 of
+``core.device.device``). With delayed update a second gradient set (staging, and the fp32 gradient
+where the run accumulates) receives the next backward while the step reads the first. On the CPU the
+fp32 gradient is where buckets land (always there) and the weights are written by the kernel or cast
 from the master.
 
 The arrays are allocated in setup's order: the master first (filled before the device weights
 take the parameters over), the rest by :meth:`HostBuffers.allocate` once the user's fp32 copy is
-gone. A bucket's shard and gradient sides (``core.shard``, ``core.stage``) read their slices of
-these arrays when they use them; only the shard writes the master and the state. On an
-asynchronous device the fp32 gradient exists only where the run accumulates: ``accumulate=True``
+gone. A bucket's shard and gradient sides (``core.buckets.shard``, ``core.buckets.stage``) read
+their slices of these arrays when they use them; only the shard writes the master and the state. On
+an asynchronous device the fp32 gradient exists only where the run accumulates: ``accumulate=True``
 allocates it at setup; None allocates it at the first backward that accumulates
 (:meth:`HostBuffers.need_fp32_grads`, before autograd, never in a hook) after its own host-memory
 check; False refuses such a backward.
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.host_plan import (
+from lightning_zero_offload.core.buckets.host_plan import (
     SLICE_ALIGN,
     arena_blocks,
     budget,
@@ -40,9 +40,9 @@ from lightning_zero_offload.core.host_plan import (
     plan_counts,
     round_up,
 )
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.preflight import check_lazy_fp32
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.preflight import check_lazy_fp32
+from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.ops.moments import Moments
 
 __all__ = ["HostBuffers", "budget", "budget_at", "plan", "plan_counts"]  # the sizing's, too

@@ -1,4 +1,4 @@
-"""What the host buffers of this rank's shard take: the sizing ``core.host`` allocates by.
+"""What the host buffers of this rank's shard take: the sizing ``core.buckets.host`` allocates by.
 
 :func:`plan` sizes exactly what ``HostBuffers`` can ever allocate, pinned rounding included:
 torch's pinned allocator rounds every block up to a power of two, so staging and output slices
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_zero_offload.core.buckets import on_host
-from lightning_zero_offload.core.device_budget import state_bytes
-from lightning_zero_offload.core.layout import Layout, frozen_bytes, untrained_bytes
+from lightning_zero_offload.core.buckets.buckets import on_host
+from lightning_zero_offload.core.buckets.device_budget import state_bytes
+from lightning_zero_offload.core.buckets.layout import Layout, frozen_bytes, untrained_bytes
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.rules.rule import Rule
 
 SLICE_ALIGN = 64  # bytes: every staging/output slice starts on a cache line
 _MAX_BLOCK = 2**30  # pinned blocks of at most 1 GiB (or one slice, if a bucket is larger)
@@ -94,7 +94,7 @@ def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: boo
          host: list[int] | None = None) -> Sizes:
     """Sizes of ``HostBuffers`` built with the same arguments (see the module docstring;
     ``accumulate=None`` counts the run that does not accumulate) over the buckets ``host``, by
-    default those on the host when ``on_device`` are on the device (``core.buckets``)."""
+    default those on the host when ``on_device`` are on the device (``core.buckets.buckets``)."""
     host = on_host(layout, on_device) if host is None else host
     return plan_counts(held_numel(layout, host), [layout.buckets[b].shard for b in host], dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,

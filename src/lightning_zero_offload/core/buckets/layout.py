@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero_offload.core.tensor_parallel import local
+from lightning_zero_offload.core.dist.tensor_parallel import local
 from lightning_zero_offload.ops.moments import BLOCK
 
 ALIGN = 16  # elements; parameter and shard starts are multiples of this (64 B in fp32)
@@ -70,7 +70,7 @@ class Layout:
     group_shard_numel: list[int]  # host elements per group on each rank
     world_size: int
     group_sizes: list[int]  # number of parameters in each optimizer group (torch numbering)
-    tp: Any = None  # core.tensor_parallel.TensorParallel: slots are DTensors' local shards
+    tp: Any = None  # core.dist.tensor_parallel.TensorParallel: slots are DTensors' local shards
 
     @property
     def shard_numel(self) -> int:

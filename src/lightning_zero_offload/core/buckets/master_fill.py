@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.buckets import Buckets
-from lightning_zero_offload.core.layout import Layout, shard_pieces
-from lightning_zero_offload.core.tensor_parallel import local
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout, shard_pieces
+from lightning_zero_offload.core.dist.tensor_parallel import local
 
 _FILL_CHUNK = 1 << 24  # elements: the bounded buffer (32 MiB in bf16) a master fill reads through
 

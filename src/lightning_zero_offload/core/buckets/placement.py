@@ -3,8 +3,8 @@
 The buckets whose gradients arrive last in backward (the trailing ones of the layout's reduction
 order: the model's first layers, whose weights the next forward needs first, so their host round
 trip could never be hidden) stay on the device, whole buckets, so the device part is always a
-suffix of the buckets (``core.buckets`` says which buckets a count puts there, and answers where
-each bucket lives). Shares are counted in trained elements (the
+suffix of the buckets (``core.buckets.buckets`` says which buckets a count puts there, and answers
+where each bucket lives). Shares are counted in trained elements (the
 fp32 master and both moments of one element are the same bytes wherever they live).
 
 A fixed ``offload_fraction`` runs at the whole-bucket split nearest to it (a tie: the one with more
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lightning_zero_offload.core.layout import Layout
+from lightning_zero_offload.core.buckets.layout import Layout
 
 _TOLERANCE = 1e-9  # of the trained elements: a fraction printed from a count maps back to it
 

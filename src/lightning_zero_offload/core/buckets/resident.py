@@ -1,10 +1,10 @@
 """The device part of partial offload: how many buckets keep their optimizer state on the
-device (``core.buckets`` says which), and the one move ``offload_fraction="auto"`` makes after
-the first step.
+device (``core.buckets.buckets`` says which), and the one move ``offload_fraction="auto"`` makes
+after the first step.
 
-At setup a fixed fraction is placed as ``core.placement`` says (its device part checked against
-the device's free memory before anything is allocated); ``"auto"`` keeps on the device only what
-the host cannot hold (none where the device has no memory of its own: the CPU). After the first
+At setup a fixed fraction is placed as ``core.buckets.placement`` says (its device part checked
+against the device's free memory before anything is allocated); ``"auto"`` keeps on the device only
+what the host cannot hold (none where the device has no memory of its own: the CPU). After the first
 optimizer step ``"auto"`` reads the device's peak and capacity and moves more buckets' state,
 next in the same order, while the peak plus what moves stays within ``1 - headroom`` of the
 capacity: ranks agree on the smallest count, the state is copied up, and only once every rank
@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload._units import format_bytes
-from lightning_zero_offload.core import collectives, device_budget, placement
-from lightning_zero_offload.core.buckets import Buckets
+from lightning_zero_offload.core.buckets import device_budget, placement
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.preflight import check_host_memory
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.device import SyncDevice
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.preflight import check_host_memory
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.device.device import SyncDevice
+from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.rules.rule import Rule
 
 logger = logging.getLogger(__name__)
 

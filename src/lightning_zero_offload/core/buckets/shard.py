@@ -1,13 +1,13 @@
 """One bucket shard's optimizer state, wherever it lives: the interface both owners keep.
 
 A bucket shard's fp32 master and the rule's state live on the host (:class:`HostShard`: views of
-``core.host.HostBuffers``' arrays) or on the device (:class:`DeviceShard`, partial offload). Both
-answer the same questions, so the step, checkpoints, the auto move and the master fill ask the
+``core.buckets.host.HostBuffers``' arrays) or on the device (:class:`DeviceShard`, partial offload).
+Both answer the same questions, so the step, checkpoints, the auto move and the master fill ask the
 shard and never reach into it: :attr:`~Shard.master` (to read); :meth:`~Shard.step` (the rule
 over the shard's runs); :meth:`~Shard.export` (one field as fp32 on the host) and
 :meth:`~Shard.export_state` (the rule's whole state so); :meth:`~Shard.load` (master and state
 in: the only way anything writes a shard's tensors). Both sides' state is the rule's
-(``Rule.zeros``). Which bucket holds which shard is ``core.buckets``'s answer.
+(``Rule.zeros``). Which bucket holds which shard is ``core.buckets.buckets``'s answer.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import SyncDevice
-from lightning_zero_offload.core.rule import Rule
+from lightning_zero_offload.core.device.device import SyncDevice
+from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.ops.moments import Moments
 
 Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
@@ -49,8 +49,8 @@ class Shard(Protocol):
 
 
 class HostArrays(Protocol):
-    """What a host shard reads of ``core.host.HostBuffers``: per group the fp32 master and the
-    rule's state (empty before it is allocated)."""
+    """What a host shard reads of ``core.buckets.host.HostBuffers``: per group the fp32 master and
+    the rule's state (empty before it is allocated)."""
 
     master: list[Tensor]
     moments: list[Moments]
@@ -130,7 +130,7 @@ class HostShard:
         return []
 
     def free(self) -> None:
-        """Nothing to give back: the host arrays are ``core.host``'s."""
+        """Nothing to give back: the host arrays are ``core.buckets.host``'s."""
 
 
 class DeviceShard:

@@ -1,8 +1,8 @@
 """This rank's optimizer shard as whole groups, wherever each bucket's state lives.
 
-Under partial offload some buckets' state lives on the device (``core.buckets``); checkpoints,
-loads and teardown see the whole group as before, so what they write does not depend on the
-placement. The host's own arrays are returned where no bucket of the group lives on the device
+Under partial offload some buckets' state lives on the device (``core.buckets.buckets``);
+checkpoints, loads and teardown see the whole group as before, so what they write does not depend on
+the placement. The host's own arrays are returned where no bucket of the group lives on the device
 (no copy); otherwise a host copy, bucket by bucket. A shard with a device part and compact host
 moments is saved with fp32 moments (the device's are fp32: quantizing them into the file would
 change the run), which loads into any engine. Every write goes through a bucket's shard.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.buckets import Bucket, Buckets
+from lightning_zero_offload.core.buckets.buckets import Bucket, Buckets
 from lightning_zero_offload.ops.moments import Moments
 
 
@@ -24,7 +24,7 @@ def _host_only(buckets: Buckets, g: int) -> bool:
     return not any(bk.group == g for bk in buckets.device())
 
 
-def _arrays(buckets: Buckets):  # noqa: ANN202 (core.host.HostBuffers)
+def _arrays(buckets: Buckets):  # noqa: ANN202 (core.buckets.host.HostBuffers)
     assert buckets.arrays is not None
     return buckets.arrays
 

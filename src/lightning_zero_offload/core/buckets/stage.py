@@ -5,18 +5,18 @@ forward. :class:`HostGradSide` (a bucket whose state is on the host, one per gra
 the shard lands (the staging slice on an asynchronous device, the fp32 gradient on the CPU), the
 fp32 gradient slice it is folded into when micro-batches accumulate, the event of the
 device-to-host copy that filled the staging slice, and the event of the host-to-device copy that
-reads the new weights the kernel wrote over it (rule 6 of ``core.device``: the next copy into
+reads the new weights the kernel wrote over it (rule 6 of ``core.device.device``: the next copy into
 the slice waits for that one). :class:`DeviceGradSide` (a bucket whose state is on the device,
-``core.placement``; both gradient sets share it, since the device part steps at once): the
+``core.buckets.placement``; both gradient sets share it, since the device part steps at once): the
 reduced gradient on the device, filled on the same side stream, never crossing to the host.
 
 Both answer the same calls: the streamer hands shards to a side (:meth:`receive`,
 :meth:`copy_in`, :meth:`fold_previous` where a flush is still in staging, :meth:`wait_filled`,
 :meth:`reset`), the step asks it for the kernel's source (:meth:`source`) and, on the host, for
 where the kernel writes the half weights (:meth:`weights_out`) and tells it which copy reads them
-(:meth:`weights_read_by`). A bucket (``core.buckets``) holds its sides; nobody else touches their
-fields. The host memory itself (pinned arena blocks, fp32 arrays per group) is allocated and
-budgeted by ``core.host``.
+(:meth:`weights_read_by`). A bucket (``core.buckets.buckets``) holds its sides; nobody else touches
+their fields. The host memory itself (pinned arena blocks, fp32 arrays per group) is allocated and
+budgeted by ``core.buckets.host``.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.device.device import Event, SyncDevice
 
 
 class HostArrays(Protocol):
-    """What a host side reads of ``core.host.HostBuffers``: per gradient set, the staging slice
-    of each host bucket (None on a synchronous device) and the fp32 gradient per group (None
+    """What a host side reads of ``core.buckets.host.HostBuffers``: per gradient set, the staging
+    slice of each host bucket (None on a synchronous device) and the fp32 gradient per group (None
     until allocated)."""
 
     staging: list[dict[int, Tensor] | None]
@@ -42,8 +42,8 @@ class HostArrays(Protocol):
 class HostGradSide:
     """Bucket ``b``'s gradient in host gradient set ``gset`` (two sets under delayed update):
     its staging slice (asynchronous device) and its slice of the fp32 gradient (once
-    allocated), read from the host arrays (``core.host``) when used, so it never holds a view
-    of arrays the host has replaced or freed."""
+    allocated), read from the host arrays (``core.buckets.host``) when used, so it never holds a
+    view of arrays the host has replaced or freed."""
 
     def __init__(self, arrays: HostArrays, gset: int, b: int, group: int, offset: int,
                  numel: int) -> None:
@@ -148,7 +148,7 @@ class HostGradSide:
         return []
 
     def free(self) -> None:
-        """Nothing to give back: the host arrays are ``core.host``'s."""
+        """Nothing to give back: the host arrays are ``core.buckets.host``'s."""
 
     def weights_read_by(self, event: Event | None) -> None:
         """The weights written over staging are read by the copy ending at ``event``."""

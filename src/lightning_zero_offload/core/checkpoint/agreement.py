@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.checkpoint.formats import CheckpointError
+from lightning_zero_offload.core.dist import collectives
 
 
 def capture(fn: Callable[[], object]) -> Exception | None:

@@ -10,8 +10,7 @@ gather across ranks say "Collective".
 Under tensor parallelism the host state is this rank's share of its DTensors' local shards: a
 shard (one file per process of the mesh) resumes at the same mesh only; the consolidated form
 holds every tensor whole (gathered over the tensor-parallel group), so it loads into any mesh
-or a plain model, and a load cuts it back to this rank's shards.
-"""
+or a plain model, and a load cuts it back to this rank's shards."""
 
 from __future__ import annotations
 
@@ -24,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import collectives, shard_view
-from lightning_zero_offload.core.buckets import Buckets
+from lightning_zero_offload.core.buckets import shard_view
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout, shard_pieces
 from lightning_zero_offload.core.checkpoint import (
     agreement,
     files,
@@ -38,10 +38,10 @@ from lightning_zero_offload.core.checkpoint import (
 )
 from lightning_zero_offload.core.checkpoint.gather import trim
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
-from lightning_zero_offload.core.layout import Layout, shard_pieces
-from lightning_zero_offload.core.step import Stepper
-from lightning_zero_offload.core.tensor_parallel import TensorParallel, local
-from lightning_zero_offload.core.weights import DeviceWeights
+from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.dist.tensor_parallel import TensorParallel, local
+from lightning_zero_offload.core.step.step import Stepper
+from lightning_zero_offload.core.transfer.weights import DeviceWeights
 
 
 class EngineState:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.rules import rule_named
+from lightning_zero_offload.core.rules.rule import Rule
+from lightning_zero_offload.core.rules.rules import rule_named
 from lightning_zero_offload.ops.moments import Moments
 
 # /2: compact moments ("moment_dtype"); /3: step counts per parameter ("param_steps")

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives
 from lightning_zero_offload.core.checkpoint import formats
 from lightning_zero_offload.core.checkpoint.stream import Later
+from lightning_zero_offload.core.dist import collectives
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.checkpoint.engine_state import EngineState
-from lightning_zero_offload.core.buckets import Buckets
-from lightning_zero_offload.core.layout import Layout, Slot
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout, Slot
 
 
 class BucketGather:

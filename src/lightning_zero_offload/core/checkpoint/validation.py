@@ -20,12 +20,12 @@ from lightning_zero_offload.core.checkpoint.formats import (
     shard_numel,
     shard_rule,
 )
-from lightning_zero_offload.core.rules import RULES
+from lightning_zero_offload.core.rules.rules import RULES
 from lightning_zero_offload.ops.moments import MOMENT_DTYPES, num_blocks
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.checkpoint.engine_state import EngineState
-    from lightning_zero_offload.core.rule import Rule
+    from lightning_zero_offload.core.rules.rule import Rule
 
 
 def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None, tuple]]) -> None:

@@ -9,8 +9,8 @@ this interface, which has three implementations:
 - :class:`CudaDevice`: a line-by-line mapping onto ``torch.cuda.Stream``/``Event``.
 - ``testing.emulated_device.EmulatedDevice``: for tests on the CPU
   (``lightning_zero_offload.testing.emulated_async_device``, or ``LZO_EMULATED_DEVICE_SEED``),
-  which ``core.device_factory.make_device`` loads only when asked for it. Each side stream is a
-  worker thread running its queue in FIFO order, each item after a seeded random delay; an event
+  which ``core.device.device_factory.make_device`` loads only when asked for it. Each side stream is
+  a worker thread running its queue in FIFO order, each item after a seeded random delay; an event
   completes when its stream reaches it; released buffers are filled with NaN before anyone can
   have them again, so reading one too early or too late shows up in the result.
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.device import CudaDevice, SyncDevice
+from lightning_zero_offload.core.device.device import CudaDevice, SyncDevice
 
 SEED_VARIABLE = "LZO_EMULATED_DEVICE_SEED"
 

@@ -2,8 +2,8 @@
 
 The engine brackets its phases with spans tagged by the optimizer step they belong to (with
 delayed update the CPU step of step i runs while step i+1's forward and backward are timed).
-Host spans use ``time.perf_counter``; device spans are two events of ``core.device`` on a stream,
-resolved only when the records are read, so profiling adds no synchronization to the step.
+Host spans use ``time.perf_counter``; device spans are two events of ``core.device.device`` on a
+stream, resolved only when the records are read, so profiling adds no synchronization to the step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.core.device import Event
+    from lightning_zero_offload.core.device.device import Event
 
 
 FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "device_step", "weight_copy", "stall")
@@ -100,7 +100,7 @@ class ProfileRecorder:
 
     def add_device(self, name: str, step: int, host: float, start_ev: Event,
                    end_ev: Event) -> None:
-        """A span between two device events (``core.device.Event``), placed at host time
+        """A span between two device events (``core.device.device.Event``), placed at host time
         ``host``; resolved when the records are read."""
         if self.enabled:
             with self._lock:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard  # public from torch 2.4 (floor)
 
-from lightning_zero_offload.core import collectives
+from lightning_zero_offload.core.dist import collectives
 
 DP, TP = "data_parallel", "tensor_parallel"
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.rule import Rule, check_keeps_step, qualified
+from lightning_zero_offload.core.rules.rule import Rule, check_keeps_step, qualified
 from lightning_zero_offload.ops import Moments, lion
 
 

@@ -14,8 +14,8 @@ the same semantics:
 
 Both take the gradient as it arrived and a ``grad_scale`` (loss-scale inverse times clip
 coefficient) that multiplies it before anything else, and a 1-based ``step``. One instance per
-engine, made from the user's optimizer by the registry (``core.rules.rule_for``; the planner's
-from an optimizer's name and options, ``core.rules.rule_named``). The state's shape is the
+engine, made from the user's optimizer by the registry (``core.rules.rules.rule_for``; the planner's
+from an optimizer's name and options, ``core.rules.rules.rule_named``). The state's shape is the
 instance's (an optimizer's options may change it); the engine, its checkpoints, budgets and the
 planner ask it and never spell a state name or a byte count.
 """

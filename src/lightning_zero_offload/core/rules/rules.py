@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.adam import Adam
-from lightning_zero_offload.core.lion import Lion
-from lightning_zero_offload.core.rule import Rule, qualified
-from lightning_zero_offload.core.sgd import SGD
+from lightning_zero_offload.core.rules.adam import Adam
+from lightning_zero_offload.core.rules.lion import Lion
+from lightning_zero_offload.core.rules.rule import Rule, qualified
+from lightning_zero_offload.core.rules.sgd import SGD
 
 RULES: tuple[type[Rule], ...] = (Adam, Lion, SGD)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.rule import Rule, check_keeps_step
+from lightning_zero_offload.core.rules.rule import Rule, check_keeps_step
 from lightning_zero_offload.ops import SIGNED, Moments, rng_key
 
 _BUFFER = "momentum_buffer"

@@ -4,7 +4,7 @@ With ``delayed_update=True`` the step hands the CPU step of step i to :meth:`Del
 which swaps in one place what the next backward and the worker must not share: the host gradient
 sets (the worker reads the one just filled, the next backward fills the other) and the device
 weights (the worker's push writes the spare buffers; the live ones keep the weights through step
-i-1 for step i+1's forward and backward). The kernel (``core.update.HostUpdate``) runs on one
+i-1 for step i+1's forward and backward). The kernel (``core.step.update.HostUpdate``) runs on one
 worker thread while the caller goes on. The next ``step()`` (or ``synchronize()``) joins the
 worker; :meth:`DelayedUpdate.land` then all-gathers the other ranks' shards into the spare buffer
 and swaps the two, so step i's weights are in place before step i+2's forward. Everything that
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from lightning_zero_offload.core.buckets import Buckets
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.threads import CpuStepWorker
-from lightning_zero_offload.core.update import HostUpdate, StepPlan
-from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.step.threads import CpuStepWorker
+from lightning_zero_offload.core.step.update import HostUpdate, StepPlan
+from lightning_zero_offload.core.transfer.weights import DeviceWeights, WeightPush
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ then the update rule over this rank's shard.
 ``decide`` (on the caller's thread) settles everything that needs all ranks or the user's live
 state, including which parameters got a gradient on any rank: as torch's AdamW, the step leaves
 the others untouched (no decay, no moment update) and counts steps per parameter. The previous
-delayed update lands, then ``core.update.HostUpdate`` runs here, on the core-bound worker, or
-(delayed update, ``core.delayed``) on the worker while the caller goes on. The step owns its
+delayed update lands, then ``core.step.update.HostUpdate`` runs here, on the core-bound worker, or
+(delayed update, ``core.step.delayed``) on the worker while the caller goes on. The step owns its
 counters (steps per group and per parameter, the loss scaler) and their ``state_dict``.
 """
 
@@ -19,18 +19,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload.core import collectives
-from lightning_zero_offload.core.buckets import Bucket, Buckets
+from lightning_zero_offload.core.buckets.buckets import Bucket, Buckets
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.shard import Run
 from lightning_zero_offload.core.config import ZeroOffloadConfig
-from lightning_zero_offload.core.delayed import DelayedUpdate
-from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.scaler import DynamicLossScaler
-from lightning_zero_offload.core.shard import Run
-from lightning_zero_offload.core.streaming import GradStreamer
-from lightning_zero_offload.core.update import DeviceUpdate, StepPlan, SyncUpdate
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.rules.rule import Rule
+from lightning_zero_offload.core.step.delayed import DelayedUpdate
+from lightning_zero_offload.core.step.scaler import DynamicLossScaler
+from lightning_zero_offload.core.step.update import DeviceUpdate, StepPlan, SyncUpdate
+from lightning_zero_offload.core.transfer.grads import Grads
+from lightning_zero_offload.core.transfer.streaming import GradStreamer
 
 logger = logging.getLogger(__name__)
 Hooks = Callable[[Callable[[], None]], None]  # runs an update between step hooks

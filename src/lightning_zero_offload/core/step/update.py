@@ -5,8 +5,8 @@ shard, the rule's kernel over its runs (ranges cut where parameters skip), each 
 new weights queued on the step's ``WeightPush`` while the next computes. It runs on the caller's
 thread or on the core-bound worker (:class:`SyncUpdate`), or (delayed update) on the worker into
 the spare weights; it issues a collective (``push.gather``) only when told it is on the caller's
-thread. It walks the host buckets (``core.buckets``), each stepped by its own shard. With half
-weights on an asynchronous device the kernel writes them over the bucket's staging slice (in
+thread. It walks the host buckets (``core.buckets.buckets``), each stepped by its own shard. With
+half weights on an asynchronous device the kernel writes them over the bucket's staging slice (in
 place over the half gradient it reads, or over the staging already folded into the fp32
 gradient) and the copy reads them there; on the CPU they go straight into the weights (one rank)
 or are cast from the master.
@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.buckets import Buckets
-from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.layout import Layout
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.rule import Rule
-from lightning_zero_offload.core.shard import Run
-from lightning_zero_offload.core.threads import CpuStepWorker
-from lightning_zero_offload.core.weights import DeviceWeights, WeightPush
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.shard import Run
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.rules.rule import Rule
+from lightning_zero_offload.core.step.threads import CpuStepWorker
+from lightning_zero_offload.core.transfer.grads import Grads
+from lightning_zero_offload.core.transfer.weights import DeviceWeights, WeightPush
 
 
 @dataclass
@@ -93,7 +93,7 @@ class SyncUpdate:
     """Where a synchronous step's host part runs: on the core-bound worker (collectives stay on
     the caller's thread: the push gathers at its finish), else on the caller's thread, each
     bucket gathered when done. The step hands it a decided plan, as it hands the delayed one
-    (``core.delayed.DelayedUpdate``): both say which weight buffers the device part writes
+    (``core.step.delayed.DelayedUpdate``): both say which weight buffers the device part writes
     (:meth:`targets`) and run the host part (:meth:`run`)."""
 
     def __init__(self, update: HostUpdate, worker: CpuStepWorker | None, weights: DeviceWeights,
@@ -114,8 +114,8 @@ class SyncUpdate:
 
 
 class DeviceUpdate:
-    """The rule's device implementation over the device buckets (``core.buckets``): stepped on
-    the caller's thread, on the compute stream, before the host part (and at once under delayed
+    """The rule's device implementation over the device buckets (``core.buckets.buckets``): stepped
+    on the caller's thread, on the compute stream, before the host part (and at once under delayed
     update); the new weights are cast into the shards of the given weight buffers, whose pushes
     gather them."""
 

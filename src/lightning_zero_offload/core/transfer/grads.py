@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import SyncDevice
+from lightning_zero_offload.core.device.device import SyncDevice
 
 
 @dataclass
@@ -36,6 +36,6 @@ class Grads:
 
     def consumed(self, sources: Iterable[Tensor]) -> None:
         """The step has read ``sources``: their contents are dead until the next backward fills
-        them (rule 5 of ``core.device``; poisoned on the emulated device)."""
+        them (rule 5 of ``core.device.device``; poisoned on the emulated device)."""
         for t in sources:
             self.dev.handed_back(t)

@@ -6,8 +6,8 @@ the host's (:meth:`SyncDevice.compute_waits_event`): backward never blocks on a 
 when the copy is queued by a host task (an accumulating flush: the previous one leaves staging
 first) does reuse wait for that task to have queued it. :data:`BUCKET_BUFFERS` slots, each a
 buffer of the largest bucket's size and, with several ranks, one of the largest shard's (the
-reduce-scatter's output, read by the copy): the device memory ``core.device_budget`` counts. A
-slot is reused once the copy is done, so no more shards than slots are ever alive. A bucket
+reduce-scatter's output, read by the copy): the device memory ``core.buckets.device_budget`` counts.
+A slot is reused once the copy is done, so no more shards than slots are ever alive. A bucket
 whose gradients arrive while every slot is being filled gets buffers of its own (released on the
 streams that read them).
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core.device import Event, SyncDevice
+from lightning_zero_offload.core.device.device import Event, SyncDevice
 from lightning_zero_offload.core.limits import BUCKET_BUFFERS
 
 

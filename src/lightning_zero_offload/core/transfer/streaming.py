@@ -1,11 +1,11 @@
 """Gradients from the device to this rank's host shard, bucket by bucket, during backward.
 
 A post-accumulate-grad hook copies each gradient into its bucket's device buffer (a ring,
-``core.ring``) and drops ``param.grad``. A complete bucket (and every one before it) is
+``core.transfer.ring``) and drops ``param.grad``. A complete bucket (and every one before it) is
 reduce-scattered (summed; DDP's 1/N is folded into the step's gradient scale), its shard's sum of
 squares taken on the device, and the shard handed to the bucket's gradient side
-(``bucket.grad(set)``, ``core.buckets``): on an asynchronous device copied by a side stream into
-the bucket's staging slice, which the kernel reads (or added into its device gradient).
+(``bucket.grad(set)``, ``core.buckets.buckets``): on an asynchronous device copied by a side stream
+into the bucket's staging slice, which the kernel reads (or added into its device gradient).
 When micro-batches accumulate, a host task moves the previous flush into the fp32 gradient.
 """
 
@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.core import collectives, tensor_parallel
-from lightning_zero_offload.core.buckets import Buckets
-from lightning_zero_offload.core.device import Event, SyncDevice
-from lightning_zero_offload.core.grads import Grads
-from lightning_zero_offload.core.layout import Layout, Slot
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.ring import BucketRing
+from lightning_zero_offload.core.buckets.buckets import Buckets
+from lightning_zero_offload.core.buckets.layout import Layout, Slot
+from lightning_zero_offload.core.device.device import Event, SyncDevice
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.dist import collectives, tensor_parallel
+from lightning_zero_offload.core.transfer.grads import Grads
+from lightning_zero_offload.core.transfer.ring import BucketRing
 
 
 def _sq_sum(shard: Tensor) -> Tensor:

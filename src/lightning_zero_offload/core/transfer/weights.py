@@ -8,8 +8,8 @@ round them). With delayed update a spare set of buffers receives step i's weight
 i+1 runs on the live set; :meth:`DeviceWeights.swap` exchanges them.
 
 A push (the copies of one step, or of a load) is one :class:`WeightPush`, which follows the
-rules of ``core.device``: the copy stream waits for the compute stream first (backward read the
-buffers being overwritten), the compute stream waits for the copy stream afterwards (the next
+rules of ``core.device.device``: the copy stream waits for the compute stream first (backward read
+the buffers being overwritten), the compute stream waits for the copy stream afterwards (the next
 forward reads them), and the host rewrites a copy's source only after waiting for the end of the
 previous push. Its all-gathers are the engine's only weight all-gathers, always on the caller's
 thread; under delayed update :meth:`DeviceWeights.land` finishes the worker's push and swaps.
@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_zero_offload.core import collectives
-from lightning_zero_offload.core.device import Event, SyncDevice
-from lightning_zero_offload.core.layout import Layout, frozen_params
-from lightning_zero_offload.core.profile import ProfileRecorder
-from lightning_zero_offload.core.tensor_parallel import bind, bind_all, data_ptrs, local
+from lightning_zero_offload.core.buckets.layout import Layout, frozen_params
+from lightning_zero_offload.core.device.device import Event, SyncDevice
+from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.dist.tensor_parallel import bind, bind_all, data_ptrs, local
 
 
 def _host_copy(t: Tensor) -> Tensor:
@@ -161,7 +161,7 @@ class DeviceWeights:
 
 class WeightPush:
     """One push: the copies of new weights into ``target``, bucket shard by bucket shard, and
-    their all-gather, following the rules of ``core.device``.
+    their all-gather, following the rules of ``core.device.device``.
 
     Opened on the main thread (:meth:`DeviceWeights.push`): the copy stream waits for the compute
     stream (rule 3: backward read the buffers being overwritten). The thread that writes the
@@ -215,7 +215,8 @@ class WeightPush:
     def hand_back(self, src: Tensor) -> Event | None:
         """After the copies that read ``src`` (a staging slice): it is handed back there, on the
         copy stream (poisoned on the emulated device), and the returned event is where the next
-        device-to-host copy into it waits (rule 6 of ``core.device``). None off a side stream."""
+        device-to-host copy into it waits (rule 6 of ``core.device.device``). None off a side
+        stream."""
         w = self.weights
         if w._stream is None:
             return None
