@@ -149,7 +149,7 @@ def test_delayed_profile_has_a_worker_lane_and_stall() -> None:
 
 
 def test_worker_error_is_raised_on_the_main_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_zero_offload.core.rules.adam as step_mod
+    import lightning_zero_offload.ops.adamw as step_mod
 
     eng, _ = _engine(make(), None)
     data = batches(W + 3)

@@ -218,7 +218,7 @@ with testing.emulated_async_device(seed=1, memory_bytes=1 << 40) as made:
     engine = zo.ZeroOffload(model, torch.optim.AdamW(model.parameters()), precision="32-true",
                             bucket_size_mb=4)
 shards = [b.shard for b in engine.layout.buckets]
-need = sum(device_budget.bucket_bytes(s, torch.float32, False, Adam) for s in shards[-4:])
+need = sum(device_budget.bucket_bytes(s, torch.float32, False, Adam()) for s in shards[-4:])
 made[0].memory = lambda: (0, int(need / 0.8) + 1)  # room for the last 4 buckets' state
 real, seen = HostBuffers.shrink, {}
 
@@ -383,7 +383,7 @@ def test_the_planner_counts_the_device_part_as_the_engine_allocates_it():
     assert k == on_device(engine) and 0 < k < len(shards)
     held = sum(t.numel() * t.element_size() for s in engine._buckets.device()
                for t in s.device_tensors())
-    assert held == device_budget.state_bytes(engine.layout, k, torch.bfloat16, True, Adam)
+    assert held == device_budget.state_bytes(engine.layout, k, torch.bfloat16, True, Adam())
     assert split.host_fraction(shards, k) == engine.offload_fraction
 
 
@@ -454,7 +454,7 @@ def test_the_nearest_split_that_does_not_fit_gives_way_to_more_on_the_host(caplo
 
     def need(n: int) -> int:
         return sum(device_budget.engine_parts(layout, n, torch.float32, delayed=False,
-                                              accumulate=True, rule=Adam).values())
+                                              accumulate=True, rule=Adam()).values())
     engine, _ = _emulated(need(k) - 1, offload_fraction=fraction)
     assert on_device(engine) == k - 1 and engine.offload_fraction == pytest.approx(high)
     assert [f"runs at {high:.4f}" in x and f"that fits the device ({low:.4f} does not)" in x

@@ -108,7 +108,7 @@ class Adam(Rule):
     def host_update(self, master: Tensor, grad: Tensor, state: Moments, hp: Hyper, *, step: int,
                     grad_scale: float, out: Tensor | None, threads: int, seed: int) -> None:
         adamw.fused_adamw_(master, grad, grad_scale=grad_scale, out=out, num_threads=threads,
-                     seed=seed, step=step, **state.kernel_args(), **hp.kernel_args())
+                           seed=seed, step=step, **state.kernel_args(), **hp.kernel_args())
 
     def device_update(self, master: Tensor, grad: Tensor, state: Sequence[Tensor], hp: Hyper, *,
                       step: int, grad_scale: float) -> None:
