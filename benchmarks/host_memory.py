@@ -17,7 +17,8 @@ It reports, from the kernel's high-water mark (``ru_maxrss``, exact, not sampled
 Run: ``PYTHONPATH=src python benchmarks/host_memory.py [--params 5e8] [--width 4096]``. Prints a
 Markdown table and writes ``benchmarks/out/host_memory.json``.
 
-``--optimizer lion`` wraps ``lion_pytorch.Lion`` instead of ``torch.optim.AdamW`` (one moment).
+``--optimizer lion`` wraps ``lion_pytorch.Lion`` instead of ``torch.optim.AdamW`` (one moment);
+``sgd`` / ``sgd-momentum`` ``torch.optim.SGD`` with ``momentum`` 0 (no state) / 0.9 (one buffer).
 
 ``--configs`` (default ``--params 1e8`` then) does the same once per configuration (moments fp32 /
 bf16 / int8 x delayed update off / on x accumulation off / on: two micro-batches a step) and
@@ -67,6 +68,9 @@ with_model = rss()
 if optimizer == "lion":
     from lion_pytorch import Lion
     opt = Lion(model.parameters(), lr=1e-4)
+elif optimizer.startswith("sgd"):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4,
+                          momentum=0.9 if optimizer == "sgd-momentum" else 0.0)
 else:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 with emulated_async_device(seed=0, max_delay_ms=0.5):
@@ -260,8 +264,9 @@ def main() -> None:
     ap.add_argument("--fractions", action="store_true", help="host bytes per parameter of every "
                     f"configuration at offload_fraction {' / '.join(map(str, FRACTIONS))}")
     ap.add_argument("--width", type=int, default=4096, help="width of the square layers")
-    ap.add_argument("--optimizer", choices=("adamw", "lion"), default="adamw",
-                    help="torch.optim.AdamW or lion_pytorch.Lion (--configs and the default run)")
+    ap.add_argument("--optimizer", choices=("adamw", "lion", "sgd", "sgd-momentum"),
+                    default="adamw", help="torch.optim.AdamW, lion_pytorch.Lion or "
+                    "torch.optim.SGD without / with momentum (--configs and the default run)")
     ap.add_argument("--out", type=Path, default=HERE / "out" / "host_memory.json")
     args = ap.parse_args()
     if args.fractions:
