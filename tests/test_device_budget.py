@@ -147,7 +147,7 @@ def test_the_planner_counts_the_engines_device_allocations():
     from lightning_zero_offload.core.rules.adam import Adam
 
     engine = tiny_engine(precision="bf16-mixed", offload_fraction=1.0)
-    got = device_budget.engine_parts(engine.layout, 0, torch.bfloat16, delayed=False, rule=Adam,
+    got = device_budget.engine_parts(engine.layout, 0, torch.bfloat16, delayed=False, rule=Adam(),
                                      accumulate=False)
     bucket = max(b.numel for b in engine.layout.buckets)
     assert got == {"weights": 2 * _weights(engine), "gradient buckets (3)": 3 * 2 * bucket}

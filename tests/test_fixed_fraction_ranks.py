@@ -27,7 +27,7 @@ def _fraction_and_need() -> tuple[float, float, int, int]:
     fraction = round(low + (high - low) / 4, 4)
     assert placement.candidates(shards, fraction) == [K, K - 1]
     need = sum(device_budget.engine_parts(layout, K, torch.float32, delayed=False,
-                                          accumulate=True, rule=Adam).values())
+                                          accumulate=True, rule=Adam()).values())
     probe.teardown()
     with testing.emulated_async_device(seed=1, memory_bytes=1 << 30):
         at_k = tiny_engine(precision="32-true", max_grad_norm=1.0, offload_fraction=fraction)
