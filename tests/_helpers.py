@@ -284,11 +284,19 @@ def continues_in_plain_torch(engine: ZeroOffload, make_opt: Callable[[nn.Module]
     model.load_state_dict(full["model"])
     opt = make_opt(model)
     opt.load_state_dict(full["optimizer"])
-    for x, y in more:
-        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
-            (lm_loss(model(xs), ys) / 2).backward()
+    train_plain(model, opt, more, micro=2, clip=clip)
+    train(engine, more, micro=2)
+    assert rel_err(engine.module, model) < 1e-6
+
+
+def train_plain(model: nn.Module, opt: Any, data: Sequence, *, micro: int = 2,
+                clip: float = 1.0) -> Any:
+    """Plain torch: each batch as ``micro`` micro-batches, the norm clipped to ``clip``, one
+    ``opt`` step; returns ``opt``."""
+    for x, y in data:
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            (lm_loss(model(xs), ys) / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-    train(engine, more, micro=2)
-    assert rel_err(engine.module, model) < 1e-6
+    return opt

@@ -18,6 +18,7 @@ from _helpers import (
     tiny_engine,
     total_rel_err,
     train,
+    train_plain,
 )
 from _tiny_gpt import batches, lm_loss, make, param_groups
 
@@ -48,13 +49,7 @@ def _torch_lion(model: torch.nn.Module, data, *, micro: int = 2, clip: float = 1
                 **kw) -> lion_pytorch.Lion:
     """The tiny GPT under lion_pytorch.Lion (two groups), ``micro`` micro-batches, clip."""
     opt = lion_pytorch.Lion(param_groups(model, lr=LR, wd=WD), lr=LR, betas=BETAS, **kw)
-    for x, y in data:
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            (lm_loss(model(xs), ys) / micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return opt
+    return train_plain(model, opt, data, micro=micro, clip=clip)
 
 
 def _engine(seed: int = 0, **cfg) -> ZeroOffload:

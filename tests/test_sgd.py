@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_ranks
-from _helpers import continues_in_plain_torch, rel_err, resumes_bit_for_bit, train
+from _helpers import (
+    continues_in_plain_torch,
+    rel_err,
+    resumes_bit_for_bit,
+    train,
+    train_plain,
+)
 from _tiny_gpt import batches, lm_loss, make
 
 from lightning_zero_offload import ZeroOffload
@@ -28,13 +34,7 @@ def _groups(model: torch.nn.Module) -> list[dict]:
 def _torch_sgd(model: torch.nn.Module, data, *, groups=_groups, micro: int = 2,
                clip: float = 1.0, **kw) -> torch.optim.SGD:
     opt = torch.optim.SGD(groups(model), lr=LR, **kw)
-    for x, y in data:
-        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            (lm_loss(model(xs), ys) / micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-    return opt
+    return train_plain(model, opt, data, micro=micro, clip=clip)
 
 
 def _engine(seed: int = 0, *, groups=_groups, opt_kw: dict | None = None, **cfg) -> ZeroOffload:
