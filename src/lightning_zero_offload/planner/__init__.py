@@ -6,9 +6,9 @@ whether it fits, the largest model that would, and predicts the CPU step's time 
 measurement of the fused AdamW kernel on this host. When it does not fit it names the memory
 that is short and the changes that fit (``advice``), each re-planned here. Modules: ``inputs``
 (reading and checking the arguments), ``model`` (a model folder's count and shape, the activation
-estimate), ``figures`` (``plan``: the bytes, the fit, the largest model), ``split`` (which buckets'
-state stays on the device), ``advice`` (what to change), ``report`` (the text), ``cli``
-(``lzo-plan``).
+estimate), ``figures`` (``plan``: the fit, the largest model), ``counts`` (a rank's bytes, the
+ranks' cut of the model), ``split`` (which buckets' state stays on the device), ``advice`` (what
+to change), ``report`` (the text), ``cli`` (``lzo-plan``).
 
 ``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
 ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
@@ -56,6 +56,20 @@ partial offload (``offload_fraction``, ``split``)
     part fits ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all;
     explicit fractions are checked against the whole device); the largest model takes, with
     ``"auto"``, any fraction.
+
+tensor parallelism and FSDP2 (``tensor_parallel_size``, ``fsdp``; ``counts``)
+    ``world_size`` = ``D`` data-parallel x ``T`` tensor-parallel ranks (``T`` divides it). Every
+    figure above is one rank's, for the part of the model a rank holds: ``P / T`` (and ``F / T``)
+    with ``W = D``, so the device holds ``h (P + F) / T`` and the host ``P / (D T)`` of the state.
+    With ``fsdp`` the model is ``fully_shard``-ed over the data-parallel ranks and the engine
+    steps each rank's local shards (its partition is FSDP2's, a world of one): the figures are
+    those of ``P / (D T)`` (and ``F / (D T)``) with ``W = 1``, so the device holds the sharded
+    weights ``h (P + F) / (D T)``, the host the same state per rank as without FSDP2, and the
+    device adds FSDP2's all-gather buffers, two units in flight (the one that runs and the
+    prefetched one) of ``U / T`` each, ``2 h U / T``: ``U`` = ``fsdp_unit_params``, by default
+    one layer (``(P + F) / L`` of a model config), else ``(P + F) / 32``. Not counted: the root
+    unit's own parameters, which FSDP2 keeps unsharded from forward to backward, and a unit's
+    unsharded gradients before their reduce-scatter. The largest model keeps ``U``'s share.
 
 host memory
     ``host_memory`` less ``host_reserve`` (default 10% of it) kept for the OS, Python and data

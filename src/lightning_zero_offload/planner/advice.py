@@ -52,21 +52,23 @@ def _entry(o: dict[str, Any], q: Any) -> dict[str, Any]:
 
 
 def _smallest_world_size(s: dict[str, Any], evaluate: Evaluate) -> dict[str, Any] | None:
-    """The fewest ranks (as many per node as now: more machines) whose host share fits."""
-    start, per_node = s["world_size"], s["ranks_per_node"] or s["world_size"]
+    """The fewest ranks (as many per node as now: more machines) whose host share fits: more
+    data-parallel ranks, each as many tensor-parallel ones as now."""
+    tp, per_node = s["tensor_parallel"], s["ranks_per_node"] or s["world_size"]
 
-    def ok(w: int) -> bool:
-        return bool(evaluate({"world_size": w, "ranks_per_node": per_node}).host_fits)
+    def ok(dp: int) -> bool:
+        return bool(evaluate({"world_size": dp * tp, "ranks_per_node": per_node}).host_fits)
 
-    lo, hi = start, start + 1  # ok(lo) is False (the host is short now)
+    lo = s["world_size"] // tp
+    hi = lo + 1  # ok(lo) is False (the host is short now)
     while not ok(hi):
-        if hi >= 4096:
+        if hi * tp >= 4096:
             return None
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return {"world_size": hi, "ranks_per_node": per_node}
+    return {"world_size": hi * tp, "ranks_per_node": per_node}
 
 
 def _largest(key: str, base: dict[str, Any], s: dict[str, Any],

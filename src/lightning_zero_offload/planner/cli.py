@@ -51,8 +51,20 @@ def _parser() -> argparse.ArgumentParser:
                    help="the Lightning precision: the compute dtype of the device's weights and "
                    "gradients (default: %(default)s)")
     p.add_argument("--world-size", type=int, default=1,
-                   help="data-parallel ranks: each keeps 1/N of the host state (default: "
+                   help="ranks in all, data-parallel x --tensor-parallel-size: each keeps 1/N "
+                   "of the host state (default: %(default)s)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks that split each layer (parallelize_module): a rank's device "
+                   "holds 1/N of the weights; it must divide --world-size (default: "
                    "%(default)s)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="the model is fully_shard-ed (FSDP2): a rank's device holds 1/N of the "
+                   "weights over the data-parallel ranks, and FSDP2's all-gather buffers of "
+                   "two units (the one that runs and the prefetched one)")
+    p.add_argument("--fsdp-unit-params",
+                   help="with --fsdp, parameters of the largest fully_shard unit, e.g. 1.2B "
+                   "(default: one layer of --model, params / num_hidden_layers, else params / "
+                   "32); the largest model holds its share of the model")
     p.add_argument("--ranks-per-node", type=int, help="ranks sharing one machine's host memory "
                    "(default: --world-size, one machine)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -123,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                       activation_checkpointing=a.activation_checkpointing,
                       accumulate=a.accumulate, offload_fraction=a.offload_fraction,
                       device_memory_headroom=a.device_memory_headroom, optimizer=a.optimizer,
-                      optimizer_options=dict(a.optimizer_option))
+                      optimizer_options=dict(a.optimizer_option),
+                      tensor_parallel_size=a.tensor_parallel_size, fsdp=a.fsdp,
+                      fsdp_unit_params=a.fsdp_unit_params)
     except PlanArgumentError as e:
         p.error(f"argument {e.option}: {e.problem}")
     except (ValueError, OSError, ImportError) as e:

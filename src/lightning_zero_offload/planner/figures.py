@@ -13,7 +13,7 @@ from lightning_zero_offload._units import format_bytes
 from lightning_zero_offload.core.buckets import device_budget
 from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.core.rules.rules import RULES, rule_named
-from lightning_zero_offload.planner import inputs, speed, split
+from lightning_zero_offload.planner import counts, inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
 
@@ -75,6 +75,17 @@ class Plan:
     device_step_bytes: int = 0
     device_step_seconds: float | None = None
     optimizer: str = "adamw"  # the update rule planned for (core.rules.rules)
+    # how the ranks cut the model (``counts.Ranks``): world_size = data x tensor parallel; with
+    # fsdp FSDP2 shards the weights over the data-parallel ranks, fsdp_unit_params its largest
+    # unit; the device bytes by owner: the model's weights (sharded with fsdp), FSDP2's units in
+    # flight, and the engine's own (gradient ring, spare weights, the device part's state)
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    fsdp: bool = False
+    fsdp_unit_params: int | None = None
+    device_weight_bytes: int = 0
+    fsdp_all_gather_bytes: int = 0
+    device_engine_bytes: int = 0
 
     @property
     def host_usable(self) -> int | None:
@@ -90,55 +101,6 @@ class Plan:
         return render(self)
 
 
-def _buckets(trained: int, precision: str, world_size: int, bucket_bytes: int,
-             moment_dtype: str) -> list[int]:
-    """The buckets' elements in reduction order, padded as ``core.buckets.layout`` pads them."""
-    from lightning_zero_offload.core.buckets.layout import shard_align
-
-    h = _ELEM[precision]
-    unit = shard_align(moment_dtype) * world_size
-    bucket = max(unit, bucket_bytes // h // unit * unit)
-    full, rest = divmod(trained, bucket)
-    rest = -(-rest // unit) * unit
-    return [bucket] * full + ([rest] if rest else [])
-
-
-def _counts(trained: int, frozen: int, precision: str, world_size: int, device: str,
-            bucket_bytes: int, delayed: bool, activations: int, moment_dtype: str,
-            accumulate: bool, on_device: int, rule: Rule) -> tuple[dict, dict]:
-    """(device breakdown, host breakdown) for these counts, the last ``on_device`` buckets'
-    optimizer state on the device (``split``). The host side is the engine's own sizing
-    (``core.buckets.host.plan_counts`` and ``budget``) over the other buckets of ``bucket_bytes``,
-    for a run that accumulates gradients or not."""
-    from lightning_zero_offload.core.buckets.host import budget, plan_counts
-    from lightning_zero_offload.core.config import PRECISIONS
-    from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
-
-    dtype, h = PRECISIONS[precision], _ELEM[precision]
-    half, cpu = h != 4, device == "cpu"
-    buckets = _buckets(trained, precision, world_size, bucket_bytes, moment_dtype)
-    shards = [b // world_size for b in buckets]
-    hosted = shards[: len(shards) - on_device]
-    sizes = plan_counts([sum(hosted)], hosted, dtype, asynchronous=not cpu, delayed=delayed,
-                        pinned=not cpu, rule=rule, moment_dtype=moment_dtype,
-                        accumulate=accumulate)
-    host = budget(sizes, sum(buckets), max(buckets, default=0), dtype, cpu=cpu,
-                  delayed=delayed, frozen_bytes=4 * frozen if half else 0,
-                  untrained_bytes=h * frozen, buckets_in_flight=MAX_IN_FLIGHT + 1).parts
-    dev: dict[str, int] = {}
-    if not cpu:  # the engine's own count, the model's frozen weights with its weights
-        dev = device_budget.parts(
-            trained=trained, max_bucket=max(buckets, default=0),
-            max_shard=max(shards, default=0), world_size=world_size,
-            resident=sum(shards) - sum(hosted), elem=h, delayed=delayed, accumulate=accumulate,
-            rule=rule)
-        if frozen:
-            dev["weights"] = dev.get("weights", 0) + h * frozen
-        if activations:
-            dev["activations (estimate)"] = activations
-    return dev, {k: v for k, v in host.items() if v}
-
-
 def plan(params: int | float | str | None = None, *, model: str | os.PathLike | None = None,
          precision: str = "bf16-mixed", world_size: int = 1, ranks_per_node: int | None = None,
          device: str = "cuda", device_memory: int | str | None = None,
@@ -151,7 +113,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          activation_checkpointing: bool = False, attention: str = "eager",
          accumulate: bool = False, offload_fraction: float | str = split.AUTO,
          device_memory_headroom: float = split.DEFAULT_HEADROOM, optimizer: str = "adamw",
-         optimizer_options: dict | None = None) -> Plan:
+         optimizer_options: dict | None = None, tensor_parallel_size: int = 1,
+         fsdp: bool = False, fsdp_unit_params: int | float | str | None = None) -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
     the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
@@ -171,8 +134,11 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     resolves to the largest fraction whose host part fits the host and whose device part fits
     within ``1 - device_memory_headroom`` of the device (1.0 when the host holds it all). When it
     does not fit, ``short`` names the memory that is short and ``suggestions`` the changes that
-    fit, each re-planned. A bad argument raises ``ValueError`` (``TypeError`` for a wrong type)
-    naming it."""
+    fit, each re-planned. ``world_size`` ranks are ``tensor_parallel_size`` x data-parallel
+    ranks; ``fsdp``: FSDP2 (``fully_shard``) shards the weights over the data-parallel ranks, its
+    largest unit ``fsdp_unit_params`` (default: one layer of a ``model``, else 1/32 of the
+    parameters; ``counts``). A bad argument raises ``ValueError`` (``TypeError`` for a wrong
+    type) naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
@@ -186,6 +152,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
                       ("batch_size", batch_size), ("seq_len", seq_len),
                       ("cpu_threads", cpu_threads)):
         inputs.positive_int(val, name)
+    counts.check(world_size, tensor_parallel_size, fsdp)
     if ranks_per_node is not None and ranks_per_node > world_size:
         raise inputs.PlanArgumentError("ranks_per_node", f"{ranks_per_node} is more than the "
                                        f"world size ({world_size}): a node holds at most all "
@@ -212,13 +179,15 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     if frozen >= total:
         raise inputs.PlanArgumentError("frozen_params", f"{frozen_params!r} is not below the "
                                        f"parameter count ({total}): something must train")
+    unit = counts.unit_params(total, fsdp, fsdp_unit_params, info.get("num_hidden_layers"))
     st = dict(total=total, frozen=frozen, info=info, precision=precision,
               world_size=world_size, ranks_per_node=ranks_per_node, device=device,
               device_memory=dev_mem, host_memory=host_mem, host_reserve=reserve,
               batch_size=batch_size, seq_len=seq_len, bucket=int(bucket_mb * 2**20),
               delayed_update=delayed_update, moment_dtype=moment_dtype,
               activation_checkpointing=activation_checkpointing, attention=attention,
-              accumulate=accumulate, offload_fraction=fraction, headroom=headroom, rule=rule)
+              accumulate=accumulate, offload_fraction=fraction, headroom=headroom, rule=rule,
+              tensor_parallel=tensor_parallel_size, fsdp=fsdp, unit_share=(unit or 0) / total)
     result = _evaluate(st, search=True)
     if device == "cpu":
         result.notes.append("activations are not counted (with the CPU as the device they take "
@@ -227,6 +196,11 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
         result.notes.append("activations are not counted in the device bytes: an estimate "
                             "needs batch_size, seq_len and a model config (--batch-size, "
                             "--seq-len, --model) for the hidden size, layers and heads")
+    if fsdp and device == "cuda":
+        result.notes.append("FSDP2's own bytes beyond its sharded weights and two units in "
+                            "flight are not counted: the root unit's parameters, unsharded "
+                            "from forward to backward, and a unit's gradients before their "
+                            "reduce-scatter")
     if result.fits is False:
         result.short = short_resources(result)
         result.suggestions = suggest(result, st, lambda o: _evaluate({**st, **o}, search=False))
@@ -269,11 +243,13 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
     acts = activation_bytes(st["info"], st["batch_size"], st["seq_len"], st["precision"],
                             st["activation_checkpointing"], st["attention"])
 
+    cut = counts.Ranks(st["world_size"], st["tensor_parallel"], st["fsdp"], st["unit_share"])
+
     def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int,
               k: int) -> tuple[dict, dict]:
-        return _counts(n_trained, n_frozen, st["precision"], st["world_size"], device,
-                       st["bucket"], st["delayed_update"], a, st["moment_dtype"], accumulate, k,
-                       st["rule"])
+        return counts.counts(n_trained, n_frozen, st["precision"], cut, device, st["bucket"],
+                             st["delayed_update"], a, st["moment_dtype"], accumulate, k,
+                             st["rule"])
 
     def fit(d: int, hb: int, k: int) -> tuple[bool | None, bool | None]:
         # "auto" puts state on the device only within the headroom
@@ -284,8 +260,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
         return dfit, None if usable is None else hb * ranks <= usable
 
     def shards(n_trained: int) -> list[int]:
-        return [b // st["world_size"] for b in _buckets(
-            n_trained, st["precision"], st["world_size"], st["bucket"], st["moment_dtype"])]
+        return counts.shards(n_trained, st["precision"], cut, st["bucket"], st["moment_dtype"])
 
     def on_device(n_trained: int, n_frozen: int, a: int) -> int | None:
         """Buckets kept on the device; None when no "auto" split fits both memories."""
@@ -382,7 +357,17 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 offload_fraction_after_first_step=after,
                 async_copy_sharded=copies["sharded"],
                 async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits,
-                auto_tried=tried, optimizer=st["rule"].KEY)
+                auto_tried=tried, optimizer=st["rule"].KEY, **_owners(dev, cut, total, acts))
+
+
+def _owners(dev: dict[str, int], cut: counts.Ranks, total: int, acts: int) -> dict[str, Any]:
+    """The plan's fields of the ranks' cut and the device bytes by owner (``Plan``)."""
+    weights = dev.get(counts.WEIGHTS, 0) + dev.get(counts.SHARDED_WEIGHTS, 0)
+    gather = dev.get(counts.ALL_GATHER, 0)
+    return dict(tensor_parallel_size=cut.tensor_parallel, data_parallel_size=cut.data_parallel,
+                fsdp=cut.fsdp, fsdp_unit_params=round(cut.unit_share * total) if cut.fsdp
+                else None, device_weight_bytes=weights, fsdp_all_gather_bytes=gather,
+                device_engine_bytes=sum(dev.values()) - weights - gather - (acts if dev else 0))
 
 
 def _async_copies(trained: int, world_size: int, moment_dtype: str, on_device: int,

@@ -75,17 +75,38 @@ def _checkpoints(p: Any) -> str:
             f"{_size(p.async_copy_consolidated)} on rank 0 ({said[fits.get('consolidated')]})")
 
 
+def _ranks(p: Any) -> str:
+    """How the ranks cut the model, where more than data parallelism does."""
+    cut = ([f"tensor parallel {p.tensor_parallel_size} x data parallel "
+            f"{p.data_parallel_size}"] if p.tensor_parallel_size > 1 else [])
+    cut += ["weights sharded by FSDP2"] if p.fsdp else []
+    return f" ({', '.join(cut)})" if cut else ""
+
+
+def _fsdp(p: Any) -> list[str]:
+    """Under FSDP2: the device bytes by owner, and what the all-gather term assumes."""
+    if not p.fsdp or p.device != "cuda":
+        return []
+    return [f"  by owner: the model's weights {_size(p.device_weight_bytes)} (1/"
+            f"{p.data_parallel_size * p.tensor_parallel_size} per rank), FSDP2's all-gather "
+            f"{_size(p.fsdp_all_gather_bytes)} (2 units in flight of "
+            f"{p.fsdp_unit_params / 1e9:.3f}B parameters: --fsdp-unit-params), the engine "
+            f"{_size(p.device_engine_bytes)}"]
+
+
 def render(p: Any) -> str:
     """The planner's text report of plan ``p``."""
     yes = {True: "yes", False: "NO", None: "unknown (give the memory sizes)"}
     lines = [f"lzo-plan: {p.params / 1e9:.3f}B parameters "
              f"({p.trainable_params / 1e9:.3f}B trained), {p.precision}, "
-             f"world size {p.world_size}, compute device {p.device}, optimizer {p.optimizer}"]
+             f"world size {p.world_size}{_ranks(p)}, compute device {p.device}, optimizer "
+             f"{p.optimizer}"]
     if p.device == "cuda":
         lines.append(f"device bytes: {_size(p.device_bytes)} of {_size(p.device_memory)}")
         lines += [f"  {k:<26} {_size(v)}" for k, v in p.device_breakdown.items()]
         if p.activation_bytes:
             lines[-1] += _activation_terms(p)
+        lines += _fsdp(p)
     if p.accumulate:
         run = "the run accumulates gradients: --accumulate"
     elif p.host_bytes_accumulating == p.host_bytes_per_rank:
