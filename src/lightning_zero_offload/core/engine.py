@@ -20,7 +20,7 @@ from lightning_zero_offload.core.checkpoint import EngineState, stream
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device.profile import PassTimer, StepProfile
-from lightning_zero_offload.core.dist import collectives, tensor_parallel
+from lightning_zero_offload.core.dist import collectives, fsdp
 from lightning_zero_offload.core.optimizer import OffloadOptimizer, mark_stepped
 
 
@@ -35,7 +35,7 @@ class ZeroOffload:
         self.device = checks.resolve_device(device)
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
-        self.tp, process_group = tensor_parallel.setup(module, device_mesh, process_group)
+        self.tp, process_group = fsdp.setup(module, device_mesh, process_group, self.device)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         self._release_group = collectives.releaser(self, self.process_group, process_group)
@@ -46,7 +46,7 @@ class ZeroOffload:
         self._groups = [list(g["params"]) for g in optimizer.param_groups]
         self._num_module_params = len(list(module.parameters()))
         self.layout = setup.lay_out(self._groups, trainable, order, names, config,
-                                    self.world_size, self.tp)
+                                    self.world_size, self.tp, module)
         with checks.current(self.device):  # no stray CUDA context on another GPU
             self._build(module, optimizer, dtype, pinned)
         setup.claim(module, self)  # only once built: a failed setup owns nothing

@@ -36,11 +36,13 @@ from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device.device import SyncDevice
 from lightning_zero_offload.core.device.device_factory import make_device
 from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.dist.fsdp import Fsdp
 from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.core.step.delayed import DelayedUpdate
 from lightning_zero_offload.core.step.step import Stepper
 from lightning_zero_offload.core.step.threads import CpuStepWorker, step_threads
 from lightning_zero_offload.core.step.update import DeviceUpdate, HostUpdate, SyncUpdate
+from lightning_zero_offload.core.transfer.shard_weights import ShardWeights
 from lightning_zero_offload.core.transfer.streaming import GradStreamer
 from lightning_zero_offload.core.transfer.weights import DeviceWeights
 
@@ -94,11 +96,15 @@ class Owners:
     worker: CpuStepWorker | None
     delayed: DelayedUpdate
     stepper: Stepper
+    checks: list  # hooks that check the first forward (FSDP2's compute dtype)
 
 
 def lay_out(groups: list[list[nn.Parameter]], trainable: Any, order: Any, names: Any,
-            config: ZeroOffloadConfig, world_size: int, tp: Any) -> Layout:
-    """The buckets (``bucket_size_mb`` of the compute dtype) and each rank's shard of them."""
+            config: ZeroOffloadConfig, world_size: int, tp: Any, module: nn.Module) -> Layout:
+    """The buckets (``bucket_size_mb`` of the compute dtype) and each rank's shard of them, in
+    the order gradients arrive (under FSDP2 the root unit's last)."""
+    if isinstance(tp, Fsdp):
+        order = tp.backward_order(order, module)
     elem = torch.empty((), dtype=config.compute_dtype).element_size()
     return build_layout(groups, trainable, order, names, world_size,
                         max(1, int(config.bucket_size_mb * 2**20 / elem)),
@@ -138,8 +144,10 @@ def fill(w: Where, dev: SyncDevice, part: DevicePart, buckets: Buckets) -> HostB
 
 
 def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceWeights:
-    """Stage 3: the parameters become views of the device weights."""
-    return DeviceWeights(w.layout, w.module, w.dtype, dev, w.rank, w.trained,
+    """Stage 3: the parameters become views of the device weights (under FSDP2 the device
+    weights are its shards)."""
+    kind = ShardWeights if isinstance(w.tp, Fsdp) else DeviceWeights
+    return kind(w.layout, w.module, w.dtype, dev, w.rank, w.trained,
                          w.config.delayed_update, profile)
 
 
@@ -151,7 +159,8 @@ def host_buffers(host: HostBuffers) -> None:
 def streamer(w: Where, buckets: Buckets, dev: SyncDevice,
              profile: ProfileRecorder) -> GradStreamer:
     """Stage 5."""
-    return GradStreamer(w.layout, buckets, w.dtype, dev, w.rank, w.group, profile)
+    return GradStreamer(w.layout, buckets, w.dtype, dev, w.rank, w.group, profile,
+                        reducing=w.tp.reducing if isinstance(w.tp, Fsdp) else None)
 
 
 def stepper(w: Where, dev: SyncDevice, buckets: Buckets, grads: GradStreamer,
@@ -163,7 +172,7 @@ def stepper(w: Where, dev: SyncDevice, buckets: Buckets, grads: GradStreamer,
     worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores else None
     update = HostUpdate(w.layout, buckets, threads=threads, seed=c.moment_seed,
                         asynchronous=dev.asynchronous, half=w.dtype != torch.float32,
-                        profile=profile)
+                        direct=weights.flat, profile=profile)
     delayed = DelayedUpdate(worker, profile, weights, buckets, update)
     on_device = DeviceUpdate(buckets, profile=profile)
     sync = SyncUpdate(update, worker, weights, profile)
@@ -193,7 +202,9 @@ def build(w: Where) -> Owners:
     host_buffers(host)
     grads = streamer(w, buckets, dev, profile)
     worker, delayed, step = stepper(w, dev, buckets, grads, weights, profile)
-    return Owners(dev, part, profile, weights, buckets, host, grads, worker, delayed, step)
+    checks = w.tp.check_forward_dtype(w.dtype) if isinstance(w.tp, Fsdp) else []
+    return Owners(dev, part, profile, weights, buckets, host, grads, worker, delayed, step,
+                  checks)
 
 
 def release(o: Owners, hooks: list, module: nn.Module, *, drain: bool,
@@ -206,7 +217,7 @@ def release(o: Owners, hooks: list, module: nn.Module, *, drain: bool,
     if o.worker is not None:
         o.worker.close()
     o.streamer.remove(drain=drain)  # False after a failed transfer: draining would raise
-    for h in hooks:
+    for h in [*hooks, *o.checks]:
         h.remove()
     module.__dict__.pop("zero_grad", None)  # nn.Module.zero_grad again
     error = None

@@ -45,13 +45,14 @@ class HostUpdate:
     """The rule's host implementation over the host buckets; owns no state of its own."""
 
     def __init__(self, layout: Layout, buckets: Buckets, *, threads: int, seed: int,
-                 asynchronous: bool, half: bool, profile: ProfileRecorder) -> None:
+                 asynchronous: bool, half: bool, direct: bool = True,
+                 profile: ProfileRecorder) -> None:
         self.layout, self.buckets = layout, buckets
         self.threads, self.seed, self.profile = threads, seed, profile
         # Where the kernel writes the half weights: into the device's own (the CPU, one rank),
         # or over the staging slice the copy reads (an asynchronous device); else the copies
-        # cast them from the master.
-        self.out_direct = half and not asynchronous and layout.world_size == 1
+        # cast them from the master. ``direct``: the device weights are flat (not FSDP2's).
+        self.out_direct = direct and half and not asynchronous and layout.world_size == 1
         self.staged_out = half and asynchronous
 
     def run(self, plan: StepPlan, push: WeightPush, gather: bool,

@@ -15,6 +15,7 @@ import contextlib
 import enum
 import weakref
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,8 +50,7 @@ def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
 
 
 class Pass(enum.Enum):
-    """Where the streamer is in a backward pass, as its hooks see it (one state: ``no_sync()``
-    is the idle state its backward passes return to)."""
+    """Where the streamer is in a backward pass, as its hooks see it (``no_sync()`` is idle)."""
 
     IDLE = "idle"  # none: a backward now sends its gradients
     NO_SYNC = "no_sync"  # none, inside ``no_sync()``: a backward keeps its gradients local
@@ -59,8 +59,7 @@ class Pass(enum.Enum):
     RUNNING = "running"  # hooks are sending; ``end_backward`` is queued for the pass's end
 
 
-_SENDS = {Pass.IDLE: True, Pass.NO_SYNC: False, Pass.SYNC: True, Pass.LOCAL: False,
-          Pass.RUNNING: True}
+_SENDS = {p: p not in (Pass.NO_SYNC, Pass.LOCAL) for p in Pass}
 
 
 def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
@@ -75,8 +74,10 @@ def _make_hook(streamer: GradStreamer, i: int) -> Callable[[Tensor], None]:
 
 class GradStreamer:
     def __init__(self, layout: Layout, buckets: Buckets, dtype: torch.dtype, dev: SyncDevice,
-                 rank: int, process_group: object | None, profile: ProfileRecorder) -> None:
+                 rank: int, process_group: object | None, profile: ProfileRecorder,
+                 reducing: Callable[[bool], Any] | None = None) -> None:
         self.layout, self.buckets, self.dtype, self.dev = layout, buckets, dtype, dev
+        self._reducing = reducing or (lambda sync: contextlib.nullcontext())  # FSDP2's passes
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
         self._pass = Pass.IDLE
@@ -122,7 +123,8 @@ class GradStreamer:
         """``ZeroOffload.no_sync``: backward passes inside keep gradients on the device."""
         self._pass = Pass.NO_SYNC
         try:
-            yield
+            with self._reducing(False):
+                yield
         finally:
             self._pass = Pass.IDLE
 
@@ -136,7 +138,8 @@ class GradStreamer:
         if self._pass is Pass.SYNC and self.will_accumulate():
             self.buckets.need_fp32_grads()  # a flush adds to an earlier one: allocated once
         try:
-            yield
+            with self._reducing(self._pass is not Pass.LOCAL or idle is Pass.NO_SYNC):
+                yield
         except BaseException:
             self.discard()
             raise

@@ -34,6 +34,8 @@ def _host_copy(t: Tensor) -> Tensor:
 
 
 class DeviceWeights:
+    flat = True  # the live weights are flat tensors (a kernel may write a slice of them)
+
     def __init__(self, layout: Layout, module: nn.Module, dtype: torch.dtype, dev: SyncDevice,
                  rank: int, trained: dict[int, str], delayed: bool,
                  profile: ProfileRecorder) -> None:
