@@ -291,3 +291,55 @@ def test_gradients_stream_to_the_host_as_fsdp2_reduces_each_unit() -> None:
         assert r["flushed"] and 0 < r["flushed"][0] < r["buckets"]
         # no_sync reaches FSDP2: no reduce-scatter until the synchronizing backward
         assert r["unsynced"] == 0 and r["synced"] == 3
+
+
+def _two_d(rank: int, world: int, engine_run: bool) -> dict:
+    """FSDP2 over "data_parallel" x tensor parallelism over "tensor_parallel" (2 x 2), the
+    torchtitan layout; torch's AdamW + clip_grad_norm_, or the engine."""
+    from _tiny_llama import parallelize
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = make(0)
+    model.norm.weight.requires_grad_(False)
+    parallelize(model, mesh["tensor_parallel"])
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+    opt = _optimizer(model, "adamw")
+    part = mesh["data_parallel"].get_local_rank()
+    engine = (ZeroOffload(model, opt, device="cpu", device_mesh=mesh, max_grad_norm=1.0,
+                          bucket_size_mb=0.002, precision="32-true") if engine_run else None)
+    norms = []
+    for step in range(STEPS):
+        for m in range(ACCUM):
+            x, y = batch(step, m, part)
+            loss = lm_loss(model(x), y) / ACCUM
+            if engine is not None:
+                engine.backward(loss, sync_gradients=m == ACCUM - 1)
+            else:
+                model.set_requires_gradient_sync(m == ACCUM - 1)
+                loss.backward()
+        if engine is not None:
+            norms.append(float(engine.step()))  # type: ignore[arg-type]
+            engine.zero_grad()
+        else:  # torch's clip_grad_norm_ cannot stack norms of two meshes: the same, by hand
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norm = sum(float(g.full_tensor().double().pow(2).sum()) for g in grads) ** 0.5
+            for g in grads:
+                g.mul_(min(1.0, 1.0 / (norm + 1e-6)))
+            norms.append(norm)
+            opt.step()
+            opt.zero_grad()
+    if engine is not None:
+        engine.teardown()
+    return {"weights": _full(model), "norms": norms}
+
+
+def _two_d_both(rank: int, world: int) -> dict:
+    return {"want": _two_d(rank, world, False), "got": _two_d(rank, world, True)}
+
+
+def test_fsdp2_over_data_parallel_times_tensor_parallel_equals_torch_adamw() -> None:
+    _check(run_ranks(_two_d_both, 4, timeout=400), 1e-6)

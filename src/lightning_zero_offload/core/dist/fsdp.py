@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_zero_offload.core.dist import tensor_parallel
 from lightning_zero_offload.core.dist.tensor_parallel import DP, TP, TensorParallel
@@ -146,8 +146,8 @@ def _placements_error(name: str, p: Tensor, tp_size: int) -> str | None:
     if tp_size > 1 and names and names[0] != DP:
         return (f"parameter {name!r} is sharded over mesh dimension {names[0]!r}; fully_shard "
                 f"must run over the {DP!r} dimension (mesh[{DP!r}])")
-    first = p.placements[0]
-    if not (isinstance(first, Shard) and first.dim == 0):
+    first = p.placements[0]  # Shard(0), or (over a tensor-parallel Shard(0)) a strided one
+    if first.is_replicate() or first.is_partial() or getattr(first, "dim", None) != 0:
         return (f"parameter {name!r} has FSDP placement {first!r}; only fully_shard's default "
                 "Shard(0) is supported (no shard_placement_fn)")
     return None
@@ -184,7 +184,7 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any,
                              f"runs on {device}: fully_shard(..., offload_policy="
                              "CPUOffloadPolicy()) is not supported yet; drop the offload policy "
                              "(ZeRO-Offload keeps the optimizer state on the host already)")
-        if tp_size > 1 and p.device_mesh.ndim == 1:
+        if tp_size > 1 and (p.device_mesh.ndim == 1 or p.placements[1].is_replicate()):
             whole.add(id(p))  # the tensor-parallel ranks hold the same shard
         mesh = mesh if mesh is not None else p.device_mesh
     rank = dist.get_rank()
