@@ -343,3 +343,35 @@ def _two_d_both(rank: int, world: int) -> dict:
 
 def test_fsdp2_over_data_parallel_times_tensor_parallel_equals_torch_adamw() -> None:
     _check(run_ranks(_two_d_both, 4, timeout=400), 1e-6)
+
+
+def _evaluated_between(rank: int, world: int, cfg: dict) -> dict:
+    """backward, a no-grad forward (metrics), step, forward: the last forward's output, with
+    the engine and with torch's AdamW after FSDP2's ``reshard()`` (the fresh weights)."""
+    out = {}
+    for who in ("engine", "torch"):
+        model = _sharded(world)
+        opt = _optimizer(model, "adamw")
+        engine = (ZeroOffload(model, opt, device="cpu", precision="32-true", **cfg)
+                  if who == "engine" else None)
+        x, y = batch(0, 0, rank)
+        loss = lm_loss(model(x), y)
+        engine.backward(loss) if engine is not None else loss.backward()
+        with torch.no_grad():
+            model(x)  # FSDP2 keeps the root unit gathered after this forward
+        if engine is not None:
+            engine.step()
+        else:
+            model.reshard()
+            opt.step()
+        with torch.no_grad():
+            out[who] = model(x)
+        if engine is not None:
+            engine.teardown()
+    return out
+
+
+@pytest.mark.parametrize("cfg", [{}, {"offload_fraction": 0.0}])
+def test_a_forward_between_backward_and_step_does_not_leave_stale_weights(cfg: dict) -> None:
+    for r in run_ranks(_evaluated_between, 2, cfg):
+        assert torch.allclose(r["engine"], r["torch"], rtol=1e-5, atol=1e-6)

@@ -8,6 +8,12 @@ update writes them the same way. The shards are cast to the run's half precision
 ``module.to`` (FSDP2 re-pads them before the first forward), so the device holds 2 bytes per
 local parameter and nothing in fp32. Under delayed update the spare set is a flat buffer of the
 engine's, copied into the shards when it lands.
+
+Before new weights are written, every unit is resharded (``FSDPModule.reshard()``): a forward
+without backward since the last step (an evaluation between ``backward`` and ``step``) leaves the
+root unit's all-gathered weights in place (FSDP2 keeps the root unsharded after forward), and
+the next forward would run on them, one step stale. Plain FSDP2 with a torch optimizer does
+exactly that; here the next forward gathers the new shards.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from torch import Tensor, nn
 from lightning_zero_offload.core.buckets.layout import Layout, frozen_params
 from lightning_zero_offload.core.device.device import SyncDevice
 from lightning_zero_offload.core.device.profile import ProfileRecorder
+from lightning_zero_offload.core.dist.fsdp import units
 from lightning_zero_offload.core.dist.tensor_parallel import local
-from lightning_zero_offload.core.transfer.weights import DeviceWeights
+from lightning_zero_offload.core.transfer.weights import DeviceWeights, WeightPush
 
 
 class Pieces:
@@ -68,7 +75,7 @@ class ShardWeights(DeviceWeights):
                  profile: ProfileRecorder) -> None:
         self.layout, self.module, self.dev, self.rank = layout, module, dev, rank
         self.dtype, self.profile, self.trained = dtype, profile, trained
-        self.world_size = layout.world_size
+        self.world_size, self.units = layout.world_size, units(module)
         self.frozen = {id(p): local(p).detach().to("cpu", copy=True)
                        for p in frozen_params(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
@@ -111,9 +118,24 @@ class ShardWeights(DeviceWeights):
                     "module moved or cast with .to()/.float()/.half() after setup?); the engine "
                     "owns the shards' dtype")
 
+    def push(self, step: int | None, target: list[Tensor]) -> WeightPush:
+        if target is self.live:
+            self._reshard()
+        return super().push(step, target)
+
+    def publish(self, buckets: list[int]) -> None:
+        self._reshard()  # the device part has just written the live shards
+        super().publish(buckets)
+
+    def _reshard(self) -> None:
+        """No unit keeps gathered weights the shards' new values would not reach."""
+        for unit in self.units:
+            unit.reshard()  # type: ignore[operator]
+
     def swap(self) -> None:
         """Step i's weights (the spare buffers) into the shards, on the compute stream."""
         assert self.spare is not None
+        self._reshard()
         for flat, pieces in zip(self.spare, self.live, strict=True):
             pieces[0 : pieces.numel].copy_(flat)
 
