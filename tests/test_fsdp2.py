@@ -14,6 +14,8 @@ from torch import nn
 
 from lightning_zero_offload import ZeroOffload
 
+pytestmark = pytest.mark.slow  # every test spawns gloo processes
+
 STEPS, ACCUM, LR = 20, 2, 1e-2
 
 
