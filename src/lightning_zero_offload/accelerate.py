@@ -25,10 +25,15 @@ With ``delayed_update`` the weights the loop sees are one step stale until
 With several processes the process group is destroyed at the interpreter's exit if the script
 did not call ``accelerator.end_training()`` (a gloo group left to the exit can abort it).
 
-Not supported with the flag on (each raises): DeepSpeed, FSDP, Megatron-LM, XLA, tensor/context
-parallelism, ``torch.compile`` through Accelerate, fp8, more than one engine model per plugin,
-``accelerator.clip_grad_value_`` on the engine's parameters, ``accelerator.backward`` with
-keyword arguments.
+With Accelerate's FSDP2 (``fsdp_version: 2``) Accelerate shards the model in ``prepare`` as
+usual and the engine is built over it (``lightning_zero_offload.accelerate_fsdp2``): FSDP2 keeps
+each rank's weight shards on the device in the run's half precision, the engine their fp32
+master and optimizer state on the host; ``save_state``/``load_state`` work as without FSDP.
+
+Not supported with the flag on (each raises): DeepSpeed, FSDP1, FSDP2's ``fsdp_offload_params``
+(``CPUOffloadPolicy``) and HSDP, Megatron-LM, XLA, tensor/context parallelism, ``torch.compile``
+through Accelerate, fp8, more than one engine model per plugin, ``accelerator.clip_grad_value_``
+on the engine's parameters, ``accelerator.backward`` with keyword arguments.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from accelerate.utils import DistributedType, DynamoBackend  # noqa: E402
 from torch import nn  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
+from lightning_zero_offload import accelerate_fsdp2  # noqa: E402
 from lightning_zero_offload.config_env import (  # noqa: E402
     ENV_CONFIG,
     ENV_PREFIX,
@@ -233,6 +239,8 @@ class ZeroOffloadPlugin:
         device = accelerator.device
         if device.type == "cpu":
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
+        if accelerator.is_fsdp2:
+            model, optimizer = accelerate_fsdp2.shard(accelerator, model, optimizer)
         engine = ZeroOffload(model, optimizer, config, device=device)
         module = engine.module
         setattr(module, _PREPARED, True)
@@ -248,11 +256,13 @@ class ZeroOffloadPlugin:
 
 
 def _check_supported(accelerator: Accelerator, model: object, optimizer: object) -> None:
-    if accelerator.distributed_type not in _SUPPORTED:
+    if accelerator.distributed_type == DistributedType.FSDP:
+        accelerate_fsdp2.check(accelerator)
+    elif accelerator.distributed_type not in _SUPPORTED:
         raise ValueError(
             f"ZeRO-Offload runs on one or several processes without another sharding backend; "
             f"Accelerate is set up for {accelerator.distributed_type}. Launch without "
-            "DeepSpeed/FSDP/Megatron/XLA, or without ZERO_OFFLOAD=1"
+            "DeepSpeed/Megatron/XLA, or without ZERO_OFFLOAD=1"
         )
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and (pc.tp_enabled or pc.cp_enabled):
@@ -355,12 +365,15 @@ def _route_accelerator(
         # flat buffer, which safetensors refuses to save or load into.
         save_shards(engine, output_dir)
         weights[:] = [w for m, w in zip(models, weights, strict=True) if m is not engine.module]
-        wrapped._saving = True
+        wrapped._saving = listed()  # Accelerate asks it for a state where it is listed
 
     def load_hook(models: list, input_dir: str) -> None:
         load_shards(engine, input_dir)
         models[:] = [m for m in models if m is not engine.module]
-        wrapped._loaded = True
+        wrapped._loaded = listed()
+
+    def listed() -> bool:
+        return any(o is wrapped for o in accelerator._optimizers)
 
     accelerator.backward = backward
     accelerator.clip_grad_norm_ = clip_grad_norm_
@@ -368,3 +381,5 @@ def _route_accelerator(
     accelerator.get_state_dict = get_state_dict
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+    if accelerator.is_fsdp2:
+        accelerate_fsdp2.keep_out_of_fsdp_checkpoints(accelerator, engine.module, wrapped)

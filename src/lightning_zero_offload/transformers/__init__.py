@@ -11,7 +11,9 @@ The Trainer's own loop stays: the optimizer it creates (``torch.optim.AdamW``/``
 backward, ``max_grad_norm`` clipping and the logged ``grad_norm`` go through the
 engine. Precision follows ``bf16``/``fp16`` (neither: fp32). Checkpoints keep the Trainer's layout
 plus a ``zero_offload/`` folder with one optimizer shard per rank; ``save_model`` writes the fp32
-master weights. Not supported (each raises): DeepSpeed, FSDP, several GPUs in one process
+master weights. With the Trainer's FSDP2 (``fsdp="full_shard"``, ``fsdp_config`` with
+``fsdp_version`` 2) Accelerate shards the model as usual and the engine steps each rank's shards.
+Not supported (each raises): DeepSpeed, FSDP1, FSDP2's ``offload``, several GPUs in one process
 (``DataParallel``), optimizers the engine has no rule for, ``max_grad_norm`` inside the
 ZeRO-Offload options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved
 without ZeRO-Offload.
@@ -136,8 +138,8 @@ class ZeroOffloadMixin(_TrainerBase):
         if plugin.engine is not None:
             raise RuntimeError("ZeroOffloadTrainer: the optimizer was replaced after the engine "
                                "was built; create one Trainer per model")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("ZeRO-Offload does not combine with DeepSpeed or FSDP; turn one off")
+        if self.is_deepspeed_enabled:
+            raise ValueError("ZeRO-Offload does not combine with DeepSpeed; turn one off")
         if self.args.n_gpu > 1:
             raise ValueError("ZeRO-Offload needs one process per GPU (torchrun or accelerate "
                              "launch), not DataParallel over several GPUs in one process")
@@ -195,6 +197,13 @@ class ZeroOffloadMixin(_TrainerBase):
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self._scheduler().load_state_dict(torch.load(scheduler, weights_only=True))
+
+    @override
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # Under FSDP the Trainer loads the weights after the engine is built, from FSDP's own
+        # files; the engine's shards hold them (fp32 master and buffers), loaded just after.
+        if self.zero_offload_engine is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _scheduler(self) -> LRScheduler:
         scheduler = self.lr_scheduler
