@@ -13,12 +13,20 @@ Supported: ``ColwiseParallel``/``RowwiseParallel`` plans (``Shard(0)``/``Shard(1
 ``("data_parallel", "tensor_parallel")``. Refused at setup, by name: sequence parallelism, loss
 parallelism (DTensor outputs), other shardings, meshes of more than two dimensions, and a
 ``RowwiseParallel`` Linear whose input size does not divide by the tensor-parallel size.
+
+A model that carries its own tensor parallelism (Hugging Face's ``from_pretrained(...,
+tp_plan="auto")``: its ``tp_size`` and a ``tp_plan`` of style names, DTensor parameters over a
+1-D mesh) needs no mesh: the mesh its parameters carry is the tensor-parallel one and the ranks
+holding the same shards form the data-parallel group (one rank each when the mesh spans every
+process). Its styles are checked by name (:data:`HF_STYLES`); the others are refused naming the
+layer and the style.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,7 +200,8 @@ def _check_plan(module: nn.Module, tp_mesh: Any) -> set[int]:
             whole.add(id(p))
             continue
         pm = p.device_mesh  # type: ignore[attr-defined]
-        if pm.mesh_dim_names != (TP,) or pm.mesh.tolist() != tp_mesh.mesh.tolist():
+        if (pm.mesh_dim_names != tp_mesh.mesh_dim_names
+                or pm.mesh.tolist() != tp_mesh.mesh.tolist()):
             raise ValueError(
                 f"ZeroOffload: parameter {name!r} is a DTensor over mesh {pm.mesh.tolist()} "
                 f"{pm.mesh_dim_names}; only tensor parallelism over the mesh's {TP!r} dimension "
@@ -268,9 +277,71 @@ def _agree(module: nn.Module, mesh: Any, tp: TensorParallel) -> None:
                              "parallelize_module with the same plan on every rank.")
 
 
+# Hugging Face's tensor-parallel styles (``transformers.distributed.tensor_parallel``) that are
+# ColwiseParallel/RowwiseParallel/embedding shardings with replicated activations between
+# layers; why others are refused.
+HF_STYLES = {"colwise", "colwise_rep", "colwise_gather_output", "rowwise", "rowwise_rep",
+             "rowwise_split_input", "embedding_rowwise", "embedding_colwise", "replicate"}
+_FUSED, _UNIT = "strided shards of a fused weight", "parameters over a second, per-head mesh"
+_HF_REFUSED = {
+    "sequence_parallel": "sequence parallelism", "moe_tp_experts": "expert parallelism",
+    "replicated_with_grad_allreduce": "its hook all-reduces gradients the engine took already",
+    "packed_colwise": _FUSED, "packed_rowwise": _FUSED, "unit_colwise": _UNIT,
+    "unit_rowwise": _UNIT}
+
+
+def _carried_mesh(module: nn.Module) -> Any:
+    """The 1-D tensor-parallel mesh of a model that carries its own plan (Hugging Face's
+    ``tp_size`` > 1 and ``tp_plan``), its styles checked by name; None for any other model."""
+    size, plan = getattr(module, "tp_size", None), getattr(module, "tp_plan", None)
+    if not isinstance(size, int) or size < 2 or not isinstance(plan, dict):
+        return None
+    names = [n for n, _ in module.named_modules()] + [n for n, _ in module.named_parameters()]
+    for pattern, style in plan.items():
+        key = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        layer = next((n for n in names if key.fullmatch(n)), None)
+        if style not in HF_STYLES and layer is not None:  # (plans name absent layers too)
+            why = _HF_REFUSED.get(style, "a style the engine does not know")
+            raise ValueError(f"ZeroOffload: tensor-parallel style {style!r} on {layer!r} ({why}) "
+                             f"is not supported with ZeRO-Offload; supported styles: "
+                             f"{sorted(HF_STYLES)}")
+    meshes = {tuple(p.device_mesh.mesh.flatten().tolist()): (n, p.device_mesh)
+              for n, p in module.named_parameters() if isinstance(p, DTensor)}
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes.values()))[1].ndim != 1:
+        raise ValueError("ZeroOffload: the model's tensor-parallel parameters lie on other "
+                         "meshes than one 1-D mesh: " + ", ".join(
+                             f"{n!r} on {m.mesh_dim_names} {m.mesh.tolist()}"
+                             for n, m in meshes.values()))
+    return next(iter(meshes.values()))[1]
+
+
+def _around(tp_mesh: Any) -> Any:
+    """A 2-D ``(data_parallel, tensor_parallel)`` mesh whose tensor-parallel groups are
+    ``tp_mesh``'s (collective: every process builds it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, size = dist.get_world_size(), tp_mesh.size()
+    mesh = (init_device_mesh(tp_mesh.device_type, (world // size, size), mesh_dim_names=(DP, TP))
+            if world % size == 0 else None)
+    if mesh is None or mesh[TP].mesh.tolist() != tp_mesh.mesh.tolist():
+        raise ValueError(
+            f"ZeroOffload: the model's tensor-parallel mesh holds ranks {tp_mesh.mesh.tolist()} "
+            f"of {world}; supported are groups of {size} consecutive ranks (the tensor-parallel "
+            f"dimension of init_device_mesh(device, (data_parallel, {size})))")
+    return mesh
+
+
 def setup(module: nn.Module, device_mesh: Any, process_group: Any
           ) -> tuple[TensorParallel | None, Any]:
     """``(tensor-parallel side or None, the data-parallel process group)`` for the engine."""
+    carried = _carried_mesh(module)
+    if carried is not None and device_mesh is None:
+        if process_group is not None:
+            raise ValueError("ZeroOffload: the model's tensor-parallel mesh sets the data-parallel "
+                             "group; do not pass process_group=")
+        return _setup_2d(module, _around(carried), carried)
     if device_mesh is None:
         bad = next((n for n, p in module.named_parameters() if is_dtensor(p)), None)
         if bad is not None:
@@ -282,6 +353,9 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any
                          f"mesh's {DP!r} dimension is the data-parallel group)")
     names = tuple(device_mesh.mesh_dim_names or ())
     if device_mesh.ndim == 1:
+        if carried is not None:
+            raise ValueError("ZeroOffload: the model carries its tensor-parallel mesh, which sets "
+                             "the data-parallel group; pass no device_mesh")
         setup(module, None, None)  # DTensor parameters need the 2-D mesh
         return None, device_mesh.get_group()
     if device_mesh.ndim > 2 or names != (DP, TP):
@@ -293,7 +367,17 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any
         raise ValueError(f"ZeroOffload: the device mesh has {device_mesh.size()} ranks but "
                          f"{dist.get_world_size()} processes run; build it over every process "
                          "(init_device_mesh(device, (data_parallel, tensor_parallel)))")
-    tp_mesh = device_mesh[TP]
+    if carried is not None and carried.mesh.tolist() != device_mesh[TP].mesh.tolist():
+        raise ValueError(
+            f"ZeroOffload: the model's tensor-parallel mesh holds ranks {carried.mesh.tolist()}, "
+            f"device_mesh[{TP!r}] ranks {device_mesh[TP].mesh.tolist()} (from_pretrained builds "
+            "the mesh it shards over itself); pass no device_mesh, the engine takes the model's")
+    return _setup_2d(module, device_mesh, device_mesh[TP] if carried is None else carried)
+
+
+def _setup_2d(module: nn.Module, device_mesh: Any, tp_mesh: Any) -> tuple[TensorParallel, Any]:
+    """The tensor-parallel side over ``tp_mesh`` (``device_mesh[TP]``, or the 1-D mesh the
+    parameters carry) and ``device_mesh``'s data-parallel group."""
     tp = TensorParallel(device_mesh, tp_mesh, tp_mesh.get_local_rank(), tp_mesh.size(),
                         _check_plan(module, tp_mesh))
     _agree(module, device_mesh, tp)
