@@ -2,12 +2,13 @@
 # One call of the `device` tool (H200 machine: torch with CUDA present, nothing of ours installed,
 # no network): build the kernel, run the CUDA tests, the compact-moment step on the host's cores,
 # partial offload (benchmarks/partial_offload_gpu.py: tokens/s at offload_fraction 1.0, 0.5, 0.0
-# and "auto" beside the GPU-resident baseline), then benchmarks/gpu_e2e.py, all inside 8 minutes
-# (each part has a time limit; gpu_e2e gets whatever time is left). Everything lands in $OUT:
-# device_check.log, pytest_cuda.xml, cpu_adam_moments.json, partial_offload_gpu.json/.md,
-# gpu_e2e.json, gpu_e2e.md. Ends with benchmarks/device_summary.py: a
-# one-screen summary for benchmarks/RESULTS.md, and exit 1 naming every job that failed or came
-# back without its figures.
+# and "auto" beside the GPU-resident baseline), FSDP2 (benchmarks/fsdp2_gpu.py under torchrun, one
+# process per GPU over NCCL: the engine under fully_shard against FSDP2 + fused torch AdamW), then
+# benchmarks/gpu_e2e.py, all inside 8 minutes (each part has a time limit; gpu_e2e gets whatever
+# time is left). Everything lands in $OUT: device_check.log, pytest_cuda.xml,
+# cpu_adam_moments.json, partial_offload_gpu.json/.md, fsdp2_gpu.json/.md, gpu_e2e.json,
+# gpu_e2e.md. Ends with benchmarks/device_summary.py: a one-screen summary for
+# benchmarks/RESULTS.md, and exit 1 naming every job that failed or came back without its figures.
 #
 #   run(command="bash benchmarks/device_check.sh", timeout_s=540)
 #
@@ -16,7 +17,7 @@
 # CPU run on the emulated device, the rest must collect and skip), the same benchmark jobs
 # through the same arguments and child processes; only the device (the CPU, the engine on the
 # emulated asynchronous device: LZO_EMULATED_DEVICE_SEED), the sizes and the time budget (under
-# 5 minutes on 2 cores) differ. $PYTHON is the interpreter (default python3).
+# 6 minutes on 2 cores) differ. $PYTHON is the interpreter (default python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REHEARSE=0
@@ -27,23 +28,31 @@ case "${1:-}" in
 esac
 OUT="${OUT:-benchmarks/out}"
 mkdir -p "$OUT"
-rm -f "$OUT"/{pytest_cuda.xml,cpu_adam_moments.json,partial_offload_gpu.{json,md},gpu_e2e.{json,md}}
+rm -f "$OUT"/{pytest_cuda.xml,cpu_adam_moments.json,partial_offload_gpu.{json,md},fsdp2_gpu.{json,md}}
+rm -f "$OUT"/gpu_e2e.{json,md}
 # (no stale figures)
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export LZO_KERNEL=cpp  # the C++ kernel or a loud failure
 if ((REHEARSE)); then
-    TOTAL_S="${TOTAL_S:-270}" BUILD_S="${BUILD_S:-150}" TESTS_S="${TESTS_S:-90}" \
-        MOMENTS_S="${MOMENTS_S:-45}" PARTIAL_S="${PARTIAL_S:-90}"  # each can be raised when busy
+    TOTAL_S="${TOTAL_S:-310}" BUILD_S="${BUILD_S:-150}" TESTS_S="${TESTS_S:-90}" \
+        MOMENTS_S="${MOMENTS_S:-45}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-90}"
+    # (each can be raised when busy)
     MOMENTS=(--sizes 1M --parts d --threads 1 --repeats 2)
     PARTIAL=(--rehearse)  # the tiny GPT, each engine on the emulated device with a 1 GiB capacity
+    FSDP2=(--rehearse)  # gloo on 2 CPU processes, a tiny GPT, the engine on the emulated device
+    FSDP2_PROCS=2
     GPU_E2E=(--rehearse)  # LZO_BUILD_DIR: the caller's, else the default (CI: `tasks.py test`'s)
     export LZO_DEVICE_CHECK=rehearse LZO_EMULATED_DEVICE_SEED="${LZO_EMULATED_DEVICE_SEED:-1}"
 else
     TOTAL_S="${TOTAL_S:-470}" BUILD_S="${BUILD_S:-100}" TESTS_S="${TESTS_S:-120}" \
-        MOMENTS_S="${MOMENTS_S:-75}" PARTIAL_S="${PARTIAL_S:-90}"  # 8 minutes less a margin
+        MOMENTS_S="${MOMENTS_S:-75}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-90}"
+    # (8 minutes less a margin)
     MOMENTS=(--sizes 50M --parts d --threads 1,8,16 --repeats 5)
     PARTIAL=()  # GPT 350m, batch 8 x 1024
+    FSDP2=()  # GPT 350m, batch 8 x 1024, NCCL: every GPU (one is a world of one)
+    FSDP2_PROCS=$($PY -c 'import torch; print(max(1, torch.cuda.device_count()))' 2>/dev/null \
+        || echo 1)
     GPU_E2E=()
     export LZO_BUILD_DIR="${LZO_BUILD_DIR:-/tmp/lzo-build}"
 fi
@@ -95,6 +104,12 @@ check "compact moments" timeout "$MOMENTS_S" $PY benchmarks/cpu_adam.py "${MOMEN
 step "partial offload (limit $PARTIAL_S s)"
 check "partial offload" timeout "$PARTIAL_S" $PY benchmarks/partial_offload_gpu.py "${PARTIAL[@]}" \
     --out "$OUT" --budget-s "$((PARTIAL_S - 10))"
+
+# Issue 46: FSDP2 (fully_shard) shards the weights, the engine steps each rank's shards.
+step "FSDP2, $FSDP2_PROCS process(es) (limit $FSDP2_S s)"
+check "fsdp2" timeout "$FSDP2_S" $PY -m torch.distributed.run --standalone \
+    --nproc_per_node "$FSDP2_PROCS" benchmarks/fsdp2_gpu.py "${FSDP2[@]}" --out "$OUT" \
+    --budget-s "$((FSDP2_S - 30))"
 
 LEFT=$((TOTAL_S - (SECONDS - T0)))
 LEFT=$((LEFT < 45 ? 45 : LEFT))  # `timeout 0` would mean no limit at all

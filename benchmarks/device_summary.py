@@ -2,9 +2,9 @@
 one-screen summary of the figures, ready to paste into ``benchmarks/RESULTS.md``.
 
 ``benchmarks/device_check.sh`` calls it last with its ``$OUT`` and the steps whose command exited
-non-zero; it reads ``pytest_cuda.xml``, ``cpu_adam_moments.json``, ``partial_offload_gpu.json`` and
-``gpu_e2e.json`` and exits 1 naming every failed job (a missing or empty file is a failure too),
-else 0.
+non-zero; it reads ``pytest_cuda.xml``, ``cpu_adam_moments.json``, ``partial_offload_gpu.json``,
+``fsdp2_gpu.json`` and ``gpu_e2e.json`` and exits 1 naming every failed job (a missing or empty
+file is a failure too), else 0.
 
     python benchmarks/device_summary.py --out benchmarks/out [--rehearse] [--failed "step (rc=1)"]
 """
@@ -78,6 +78,14 @@ def partial_verdict(path: Path, md: Path) -> tuple[str, list[str]]:
     return (md.read_text() if md.is_file() else ""), [f"partial offload {f}" for f in out]
 
 
+def fsdp2_verdict(path: Path, md: Path) -> tuple[str, list[str]]:
+    """(fsdp2_gpu.md, failures) from ``fsdp2_gpu.py``'s own list."""
+    if not path.is_file():
+        return "", [f"fsdp2: no {path.name}"]
+    out = json.loads(path.read_text()).get("failures", ["stopped before the end"])
+    return (md.read_text() if md.is_file() else ""), [f"fsdp2 {f}" for f in out]
+
+
 def gpu_e2e_verdict(path: Path, md: Path) -> tuple[str, list[str]]:
     """(gpu_e2e.md, failures) from ``gpu_e2e.py``'s own list, or recomputed from what it saved
     when it was stopped before the end."""
@@ -104,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     moment_lines, f2 = moments_verdict(a.out / "cpu_adam_moments.json")
     partial_md, f4 = partial_verdict(a.out / "partial_offload_gpu.json",
                                      a.out / "partial_offload_gpu.md")
+    fsdp2_md, f5 = fsdp2_verdict(a.out / "fsdp2_gpu.json", a.out / "fsdp2_gpu.md")
     e2e_md, f3 = gpu_e2e_verdict(a.out / "gpu_e2e.json", a.out / "gpu_e2e.md")
-    failed = [f"step {s}" for s in a.failed] + failed + f2 + f4 + f3
+    failed = [f"step {s}" for s in a.failed] + failed + f2 + f4 + f5 + f3
     kind = "rehearsal on the CPU (emulated device, tiny sizes)" if a.rehearse else "GPU"
     wall = f", {a.wall_s:.0f} s" if a.wall_s is not None else ""
     print(f"\n## Device check summary ({kind}{wall}) - paste into benchmarks/RESULTS.md\n")
@@ -113,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(moment_lines))
     print()
     print(partial_md.rstrip())
+    print()
+    print(fsdp2_md.rstrip())
     print()
     print(e2e_md.rstrip())
     print()

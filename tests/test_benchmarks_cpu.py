@@ -256,3 +256,17 @@ def test_cpu_lion_times_every_peer_against_the_bare_pass(tmp_path: Path) -> None
     assert set(rows[0]["seconds"]) >= {"fused (fp32 moment)", "fused (int8 moment)",
                                        "torch (lion_pytorch's ops)", "torch (lerp)"}
     assert "| 0.3M | 1 | fused (fp32 moment) |" in out
+
+
+@pytest.mark.slow
+def test_fsdp2_cpu_quick_prints_the_engines_ratios_to_fsdp2_with_torch_adamw(tmp_path: Path):
+    """The engine under FSDP2 and FSDP2 with torch's fused and foreach AdamW each train a step
+    of a tiny GPT on 2 gloo processes, and the ratios are printed (not a speed check: a tiny
+    model's ratios mean nothing)."""
+    out = _run("fsdp2_cpu.py", "--quick", "--out", str(tmp_path / "f.json"), timeout=240)
+    res = json.loads((tmp_path / "f.json").read_text())
+    (two,) = res["worlds"]
+    assert two["world"] == 2 and len(two["local_params"]) == 2
+    assert set(two["ms_per_step"]) == {"fused", "foreach", "engine"}
+    assert two["engine_vs_fused"] > 0 and two["engine_vs_foreach"] > 0
+    assert "| 2 |" in out and "engine / fused" in out and "DeepSpeed:" in out
