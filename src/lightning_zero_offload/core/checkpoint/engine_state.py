@@ -7,10 +7,12 @@ knows nothing of streams. The formats are ``formats``'s, the files and atomic pu
 ``files``'s, the checks ``validation``'s, the cross-rank agreement ``agreement``'s. Calls that
 gather across ranks say "Collective".
 
-Under tensor parallelism the host state is this rank's share of its DTensors' local shards: a
-shard (one file per process of the mesh) resumes at the same mesh only; the consolidated form
-holds every tensor whole (gathered over the tensor-parallel group), so it loads into any mesh
-or a plain model, and a load cuts it back to this rank's shards."""
+Under tensor parallelism or ``fully_shard`` the host state is this rank's share of its
+DTensors' local shards: a shard (one file per process of the mesh) resumes at the same mesh
+only (``fully_shard``'s even over one process); the consolidated form holds every tensor whole
+(gathered a tensor at a time over the tensor-parallel group, every process under
+``fully_shard``), so it loads into any mesh or a plain model, and a load cuts it back to this
+rank's shards a tensor at a time (``places``)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from lightning_zero_offload.core.checkpoint import (
     formats,
     gather,
     pending,
+    places,
     reader,
     stream,
     validation,
@@ -39,6 +42,7 @@ from lightning_zero_offload.core.checkpoint import (
 from lightning_zero_offload.core.checkpoint.gather import trim
 from lightning_zero_offload.core.checkpoint.pending import PendingSave
 from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.dist.fsdp import Fsdp
 from lightning_zero_offload.core.dist.tensor_parallel import TensorParallel, local
 from lightning_zero_offload.core.step.step import Stepper
 from lightning_zero_offload.core.transfer.weights import DeviceWeights
@@ -63,8 +67,9 @@ class EngineState:
         tp = self.layout.tp
         return tp if tp is not None and tp.size > 1 else None
 
-    def tp_describe(self) -> dict | None:
-        return self.tp.describe() if self.tp is not None else None
+    def tp_describe(self) -> dict | None:  # fully_shard's even over one process: resumes there
+        tp = self.layout.tp
+        return tp.describe() if tp is not None and (tp.size > 1 or isinstance(tp, Fsdp)) else None
 
     @property
     def files_rank(self) -> tuple[int, int, Any]:
@@ -81,7 +86,7 @@ class EngineState:
         if any(isinstance(v, stream.Later) for v in values.values()):
             values, strict = {k: v for k, v in values.items()
                               if not isinstance(v, stream.Later)}, False  # keys were checked
-        if self.tp is None:
+        if self.layout.tp is None:  # (fully_shard over one process: DTensors, tp None)
             self.module.load_state_dict(values, strict=strict)
             return
         for name, t in self.module.state_dict(keep_vars=True).items():
@@ -93,7 +98,7 @@ class EngineState:
         """This rank's shard; ``to_write``: with a device part, its group tensors as stand-ins
         made a bucket at a time as they are written (else each joined in memory)."""
         counters = self.stepper.state_dict()
-        tp = {"tensor_parallel": self.tp_describe()} if self.tp is not None else {}
+        tp = {"tensor_parallel": self.tp_describe()} if self.tp_describe() is not None else {}
         return {
             "format": formats.SHARD_FORMAT, "rank": self.rank, "world_size": self.world_size,
             **tp,
@@ -176,40 +181,9 @@ class EngineState:
         trained tensors (``gather.full_later``)."""
         return gather.full_later(self, model=model, optimizer=optimizer)
 
-    def _params(self) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
-        """The module's tensors by state_dict key, and the trained parameters by index."""
-        return (self.module.state_dict(keep_vars=True),
-                {s.index: s.param for s in self.layout.slots})
-
-    def _whole(self, full: dict) -> dict:
-        """Collective over the tensor-parallel group: every local shard of ``full`` gathered
-        whole (in the same order on every rank: state_dict keys, then parameter indices)."""
-        tp, (names, params) = self.tp, self._params()
-        assert tp is not None
-        if "model" in full:
-            full["model"] = {k: tp.whole_value(names[k], v) for k, v in full["model"].items()}
-        if "optimizer" in full:
-            states = full["optimizer"]["state"]
-            for i in sorted(states):
-                for key in self.host.rule.names:
-                    states[i][key] = tp.whole_value(params[i], states[i][key])
-        return full
-
-    def _local(self, model: dict, opt: dict | None) -> tuple[dict, dict | None]:
-        """The consolidated form's whole tensors cut to this rank's tensor-parallel shards."""
-        tp, (names, params) = self.tp, self._params()
-        if tp is None:
-            return model, opt
-        model = {k: tp.local_value(names[k], v) for k, v in model.items()}
-        if opt is not None:
-            opt = {**opt, "state": {i: {**st, **{key: tp.local_value(params[i], st[key])
-                                                   for key in self.host.rule.names}}
-                                    for i, st in opt["state"].items()}}
-        return model, opt
-
     def load_full(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
-        model, opt = self._local(*validation.check_full(state, self))
+        model, opt = places.cut(self, *validation.check_full(state, self))
         with torch.no_grad():
             self._fill_module(model, strict=True)
             self.weights.remember_frozen(model)
@@ -347,7 +321,7 @@ class EngineState:
             self.weights.remember_frozen(state["module_extra"])
             self.load_shard(state)
         else:
-            self.load_full(self._whole(state) if kind == "local" else state)
+            self.load_full(places.whole(self, state) if kind == "local" else state)
 
     def _anywhere(self, flag: bool) -> bool:
         """Collective: whether ``flag`` holds on any rank."""

@@ -48,20 +48,29 @@ def validate_shards(shards: list[dict], expected: Mapping[str, tuple[str | None,
 
 
 def check_tensor_parallel(shards: list[dict], mine: dict | None, path: object) -> None:
-    """A shard written under tensor parallelism loads only into the same place of the same
-    mesh (``mine``: this rank's ``TensorParallel.describe()``, None without it), and a shard
-    written without it only without it."""
+    """A shard written under tensor parallelism or ``fully_shard`` loads only into the same
+    place of the same mesh (``mine``: this rank's ``TensorParallel.describe()``, None without
+    either), and a shard written without them only without them."""
     saved = shards[0].get("tensor_parallel")
     if saved is None and mine is None:
         return
     if len(shards) == 1 and saved == mine:
         return
+    fsdp = any(d is not None and d.get("fsdp") for d in (saved, mine))
+    kind = "fully_shard" if fsdp else "tensor parallelism"
+
     def where(d: dict | None) -> str:
-        return ("no tensor parallelism" if d is None else
-                f"mesh (data_parallel, tensor_parallel) = {tuple(d['mesh'])}")
+        if d is None:
+            return f"no {kind}"
+        if d.get("fsdp"):  # every process holds its own shards
+            mesh = tuple(d["mesh"])
+            return (f"fully_shard over {d['size']} process{'es' if d['size'] != 1 else ''}"
+                    + (f" (mesh (data_parallel, tensor_parallel) = {mesh})" if len(mesh) > 1
+                       else ""))
+        return f"mesh (data_parallel, tensor_parallel) = {tuple(d['mesh'])}"
     raise CheckpointError(
         f"the sharded checkpoint {str(path)!r} was written with {where(saved)}, this run has "
-        f"{where(mine)}: a sharded checkpoint under tensor parallelism resumes only at the mesh "
+        f"{where(mine)}: a sharded checkpoint under {kind} resumes only at the mesh "
         "that wrote it. To change the mesh, save a consolidated checkpoint at the old one "
         "(save_checkpoint(path, sharded=False); Lightning: sharded_checkpoint=False) and load that")
 
