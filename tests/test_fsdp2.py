@@ -295,24 +295,29 @@ def test_gradients_stream_to_the_host_as_fsdp2_reduces_each_unit() -> None:
         assert r["unsynced"] == 0 and r["synced"] == 3
 
 
-def _two_d(rank: int, world: int, engine_run: bool) -> dict:
+def _two_d(rank: int, world: int, engine_run: bool, names: tuple = (), carried: bool = False
+           ) -> dict:
     """FSDP2 over "data_parallel" x tensor parallelism over "tensor_parallel" (2 x 2), the
-    torchtitan layout; torch's AdamW + clip_grad_norm_, or the engine."""
+    torchtitan layout; torch's AdamW + clip_grad_norm_, or the engine. ``names``: the mesh's
+    dimensions; ``carried``: the engine is not given the mesh (it finds it on the parameters, as
+    on a Hugging Face model loaded with fsdp x tp)."""
     from _tiny_llama import parallelize
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    dp, tp = names or ("data_parallel", "tensor_parallel")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(dp, tp))
     model = make(0)
     model.norm.weight.requires_grad_(False)
-    parallelize(model, mesh["tensor_parallel"])
+    parallelize(model, mesh[tp])
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["data_parallel"])
-    fully_shard(model, mesh=mesh["data_parallel"])
+        fully_shard(layer, mesh=mesh[dp])
+    fully_shard(model, mesh=mesh[dp])
     opt = _optimizer(model, "adamw")
-    part = mesh["data_parallel"].get_local_rank()
-    engine = (ZeroOffload(model, opt, device="cpu", device_mesh=mesh, max_grad_norm=1.0,
-                          bucket_size_mb=0.002, precision="32-true") if engine_run else None)
+    part = mesh[dp].get_local_rank()
+    engine = (ZeroOffload(model, opt, device="cpu", device_mesh=None if carried else mesh,
+                          max_grad_norm=1.0, bucket_size_mb=0.002, precision="32-true")
+              if engine_run else None)
     norms = []
     for step in range(STEPS):
         for m in range(ACCUM):
@@ -339,12 +344,19 @@ def _two_d(rank: int, world: int, engine_run: bool) -> dict:
     return {"weights": _full(model), "norms": norms}
 
 
-def _two_d_both(rank: int, world: int) -> dict:
-    return {"want": _two_d(rank, world, False), "got": _two_d(rank, world, True)}
+def _two_d_both(rank: int, world: int, names: tuple = (), carried: bool = False) -> dict:
+    return {"want": _two_d(rank, world, False, names, carried),
+            "got": _two_d(rank, world, True, names, carried)}
 
 
 def test_fsdp2_over_data_parallel_times_tensor_parallel_equals_torch_adamw() -> None:
     _check(run_ranks(_two_d_both, 4, timeout=400), 1e-6)
+
+
+def test_a_2d_mesh_the_model_carries_counts_tensor_parallel_copies_once() -> None:
+    # Hugging Face's DistributedConfig(fsdp_size=2, tp_size=2) gives a ("fsdp", "tp") mesh the
+    # engine is not told about: the norms' weights, alike on both tensor-parallel ranks, count once
+    _check(run_ranks(_two_d_both, 4, ("fsdp", "tp"), True, timeout=400), 1e-6)
 
 
 def _evaluated_between(rank: int, world: int, cfg: dict) -> dict:

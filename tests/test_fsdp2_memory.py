@@ -149,14 +149,10 @@ def test_the_device_holds_fsdp2s_shards_in_bf16_only(world: int) -> None:
 
 
 # FSDP2 hands a unit's reduced gradients over in the unit's registration order, all at once;
-# the layout orders them in reverse, so every bucket of a unit opens at once and those beyond the
-# ring's slots get buffers of their own. At 4 ranks a block is 1.3 buckets (within the ring); at
-# 1 rank 5, and the device holds twice the ring.
-OVERFLOW = pytest.mark.xfail(strict=True, reason="a unit's buckets open at once under FSDP2 "
-                             "(core.dist.fsdp.Fsdp.backward_order reverses a unit's order)")
-
-
-@pytest.mark.parametrize("world", [pytest.param(1, marks=OVERFLOW), 4])
+# the layout follows that order (core.dist.fsdp.Fsdp.backward_order), so a unit's buckets complete
+# one after the other and the ring's slots suffice (laid out in reverse, at 1 rank every bucket
+# of a block opened at once and the device held twice the ring).
+@pytest.mark.parametrize("world", [1, 4])
 def test_the_engines_device_bytes_are_its_bf16_ring_as_the_planner_counts(world: int) -> None:
     """The engine's own device allocations (the emulated device's peak) are its ring of bf16
     bucket buffers, exactly, and ``lzo-plan --fsdp``'s count of them within 5%."""

@@ -107,11 +107,13 @@ class Fsdp(TensorParallel):
             unit.set_requires_gradient_sync(sync, recurse=False)  # type: ignore[operator]
 
     def backward_order(self, order: dict[int, int], module: nn.Module) -> dict[int, int]:
-        """``order`` (registration positions) with the root unit's own parameters first: FSDP2
-        reduces them last, in its final callback after the whole backward."""
-        nested = {id(p) for u in self.units if u is not module for p in u.parameters()}
-        first = {pid: i - len(order) for pid, i in order.items() if pid not in nested}
-        return {**order, **first}
+        """``order`` (registration positions) as FSDP2's gradients arrive: unit by unit in
+        reverse forward order, the root unit's own parameters last (FSDP2 reduces them in its
+        final callback), and within a unit in registration order (its reduce-scatter hands them
+        over all at once, in that order), so each bucket completes in turn."""
+        unit_of = {id(p): u for u, unit in enumerate(self.units) for p in unit.parameters()}
+        arrival = sorted(order, key=lambda pid: (-unit_of.get(pid, 0), order[pid]))
+        return {pid: -i for i, pid in enumerate(arrival)}
 
     def check_forward_dtype(self, dtype: torch.dtype) -> list:
         """One-shot forward pre-hooks on every unit (after FSDP2's, which unshards it): the
@@ -133,7 +135,7 @@ class Fsdp(TensorParallel):
         return handles
 
 
-def _placements_error(name: str, p: Tensor, tp_size: int) -> str | None:
+def _placements_error(name: str, p: Tensor, tp_size: int, dp_name: str) -> str | None:
     """What is wrong with a sharded parameter's placements, or None."""
     if not isinstance(p, DTensor):
         return (f"parameter {name!r} is not sharded by fully_shard (apply fully_shard to the "
@@ -143,9 +145,9 @@ def _placements_error(name: str, p: Tensor, tp_size: int) -> str | None:
         return (f"parameter {name!r} is replicated over a data-parallel dimension "
                 f"(mesh {names}, placements {p.placements}): HSDP is not supported; use "
                 "fully_shard over one data-parallel dimension")
-    if tp_size > 1 and names and names[0] != DP:
+    if tp_size > 1 and names and names[0] != dp_name:
         return (f"parameter {name!r} is sharded over mesh dimension {names[0]!r}; fully_shard "
-                f"must run over the {DP!r} dimension (mesh[{DP!r}])")
+                f"must run over the {dp_name!r} dimension (mesh[{dp_name!r}])")
     first = p.placements[0]  # Shard(0), or (over a tensor-parallel Shard(0)) a strided one
     if first.is_replicate() or first.is_partial() or getattr(first, "dim", None) != 0:
         return (f"parameter {name!r} has FSDP placement {first!r}; only fully_shard's default "
@@ -165,17 +167,20 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any,
     if process_group is not None:
         raise ValueError("ZeroOffload: a fully_shard model shards over its own mesh; do not pass "
                          "process_group=")
-    tp_size, tp_rank, mesh = 1, 0, None
-    if device_mesh is not None and device_mesh.ndim == 2:
-        if tuple(device_mesh.mesh_dim_names or ()) != (DP, TP):
-            raise ValueError(f"ZeroOffload: device_mesh has dimensions "
-                             f"{device_mesh.mesh_dim_names}; with fully_shard pass a 1-D mesh "
-                             f"or a 2-D one with dimensions {(DP, TP)}")
-        tp_size, tp_rank, mesh = (device_mesh[TP].size(), device_mesh[TP].get_local_rank(),
-                                  device_mesh)
+    tp_size, tp_rank, mesh, dp_name = 1, 0, None, DP
+    if device_mesh is None:  # a 2-D mesh the model carries (Hugging Face's fsdp x tp): by position
+        device_mesh = next((p.device_mesh for p in module.parameters()
+                            if isinstance(p, DTensor) and p.device_mesh.ndim == 2), None)
+        dp_name = (device_mesh.mesh_dim_names or (DP,))[0] if device_mesh is not None else DP
+    elif device_mesh.ndim == 2 and tuple(device_mesh.mesh_dim_names or ()) != (DP, TP):
+        raise ValueError(f"ZeroOffload: device_mesh has dimensions "
+                         f"{device_mesh.mesh_dim_names}; with fully_shard pass a 1-D mesh "
+                         f"or a 2-D one with dimensions {(DP, TP)}")
+    if device_mesh is not None and device_mesh.ndim == 2:  # data-parallel x tensor-parallel
+        tp_size, tp_rank, mesh = device_mesh.size(1), device_mesh.get_local_rank(1), device_mesh
     whole: set[int] = set()
     for name, p in module.named_parameters():
-        problem = _placements_error(name, p, tp_size)
+        problem = _placements_error(name, p, tp_size, dp_name)
         if problem is not None:
             raise ValueError(f"ZeroOffload: {problem}")
         assert isinstance(p, DTensor)  # _placements_error says so otherwise
