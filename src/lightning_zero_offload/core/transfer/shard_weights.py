@@ -136,6 +136,7 @@ class ShardWeights(DeviceWeights):
         """Step i's weights (the spare buffers) into the shards, on the compute stream."""
         assert self.spare is not None
         self._reshard()
+        self.dev.compute_point()  # the copy reads what the push wrote: after its wait (land)
         for flat, pieces in zip(self.spare, self.live, strict=True):
             pieces[0 : pieces.numel].copy_(flat)
 
