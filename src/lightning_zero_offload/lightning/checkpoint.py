@@ -66,6 +66,21 @@ def full_state(model: dict[str, Any], optimizer: dict[str, Any] | None) -> dict[
     return state
 
 
+def load_weights(module: torch.nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """Whole tensors (a consolidated checkpoint's ``state_dict``) into ``module`` outside a fit:
+    a DTensor parameter (``parallelize_module``, ``fully_shard``) takes this rank's piece, cut
+    as DTensor cuts it (torch's ``set_model_state_dict``, every rank holding the whole dict)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        module.load_state_dict(state_dict, strict=strict)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state_dict,
+                         options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
 def with_checksum(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """``checkpoint`` plus its checksum under ``files.CHECKSUM_KEY`` (the engine's CRC-32)."""
     return {**checkpoint, files.CHECKSUM_KEY: files.checksum(checkpoint)}

@@ -18,6 +18,7 @@ from types import EllipsisType
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -85,12 +86,16 @@ def broadcast_start_weights(module: Module, device: torch.device) -> None:
     """Rank 0's parameters and buffers on every rank, as DDP's wrapper ensures at its start.
 
     The module may still be on the host (the engine moves it later); a backend that only
-    talks between devices (NCCL) gets each tensor through ``device`` one at a time.
+    talks between devices (NCCL) gets each tensor through ``device`` one at a time. A DTensor
+    (``parallelize_module``, ``fully_shard``) is each rank's own piece: it stays, as under
+    ``ModelParallelStrategy``.
     """
     if not _distributed_is_initialized() or dist.get_world_size() < 2:
         return
     wire = collective_device(dist.group.WORLD, device)
     for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if isinstance(tensor, DTensor):
+            continue
         data = tensor.data
         sent = data.to(wire)
         dist.broadcast(sent, src=0)

@@ -49,11 +49,14 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     holds the device weights while training; ``fabric.save`` writes the fp32 master weights, and
     ``fabric.strategy.teardown()`` (collective) puts them back into the module at the end.
 
-    Tensor parallelism as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(module,
-    device_mesh)`` (``parallelize_module`` over ``device_mesh["tensor_parallel"]``) runs in
-    ``fabric.setup``, over the 2-D mesh of ``data_parallel_size`` x ``tensor_parallel_size``
-    (both "auto", the default: data parallel only; one "auto": the rest of the processes). An
-    optimizer built over the plain module is pointed at the parallelized parameters.
+    Tensor parallelism and FSDP2 as with Fabric's ``ModelParallelStrategy``: ``parallelize_fn(
+    module, device_mesh)`` (``parallelize_module`` over ``device_mesh["tensor_parallel"]``,
+    ``fully_shard`` over ``device_mesh["data_parallel"]``) runs in ``fabric.setup``, over the 2-D
+    mesh of ``data_parallel_size`` x ``tensor_parallel_size`` (both "auto", the default: data
+    parallel only; one "auto": the rest of the processes). An optimizer built over the plain
+    module is pointed at the parallelized parameters. With a ``parallelize_fn``, that strategy's
+    order works too: ``model = fabric.setup(model)``, the optimizer over ``model.parameters()``,
+    ``fabric.setup_optimizers(optimizer)`` (the engine starts there).
     """
 
     strategy_name = "zero_offload"
@@ -81,6 +84,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         self._parallelize_fn = parallelize_fn
         self._mesh_sizes = (data_parallel_size, tensor_parallel_size)
         self._device_mesh: Any = None
+        self._parallelized: Module | None = None  # set up alone, for setup_optimizers to train
         if parallelize_fn is not None and self._mesh_sizes == ("auto", "auto"):
             raise ValueError("ZeroOffloadFabricStrategy: parallelize_fn needs a mesh: set "
                              "tensor_parallel_size (and data_parallel_size, or leave it 'auto')")
@@ -136,26 +140,36 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
         if self._parallelize_fn is not None:
             module = tp_mesh.parallelize(self._parallelize_fn, module, self._device_mesh,
                                          *optimizers[:1])
+        optimizer, engine = self._train(module, optimizers)
+        if scheduler is not None:
+            retarget_scheduler(scheduler, optimizer, engine.optimizer)
+        return engine.module, [engine.optimizer], scheduler
+
+    def _train(self, module: Module, optimizers: list[Optimizer]) -> tuple[Optimizer, ZeroOffload]:
         precision = self.precision.precision  # the engine starts every rank from rank 0's
         optimizer, engine = self._start_engine(module, optimizers, precision,
                                                f"Fabric(precision={precision!r})",
                                                self.root_device)
-        if scheduler is not None:
-            retarget_scheduler(scheduler, optimizer, engine.optimizer)
         self.precision.engine = engine
-        return engine.module, [engine.optimizer], scheduler
+        return optimizer, engine
 
     @override
     def setup_module(self, module: Module) -> Module:
         """Without an optimizer there is nothing to offload: the module (parallelized, with a
-        ``parallelize_fn``) just goes to the device."""
+        ``parallelize_fn``) just goes to the device; with a ``parallelize_fn``, a later
+        ``setup_optimizers`` trains it."""
         if self._parallelize_fn is not None:
             module = tp_mesh.parallelize(self._parallelize_fn, module, self._device_mesh)
+            self._parallelized = module
         return module.to(self.root_device)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        raise NotImplementedError(self._err_msg_joint_setup_required())
+        """Fabric's ``ModelParallelStrategy`` order (a ``parallelize_fn`` only): the engine
+        starts over the module ``setup_module`` parallelized, with this optimizer over it."""
+        if self._parallelized is None:
+            raise NotImplementedError(self._err_msg_joint_setup_required())
+        return self._train(self._parallelized, [optimizer])[1].optimizer
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -173,6 +187,7 @@ class ZeroOffloadFabricStrategy(EngineOwner, DDPStrategy):
     @override
     def teardown(self) -> None:
         self._stop_engine()
+        self._parallelized = None
         super().teardown()
 
     # -- clipping ------------------------------------------------------------------------------

@@ -3,6 +3,10 @@
 ``"tensor_parallel"``), so a LightningModule written for that strategy (its ``configure_model``
 parallelizes itself over ``self.device_mesh["tensor_parallel"]``) runs here unchanged.
 
+The Trainer strategy hands its mesh to the LightningModule the way ``ModelParallelStrategy``
+does (:func:`hand_over`), so ``configure_model`` may also ``fully_shard`` over
+``self.device_mesh["data_parallel"]`` (FSDP2; the engine then steps each rank's local shards).
+
 "auto" differs in one place: with both sizes "auto" the run stays data-parallel only (tensor
 parallel size 1), as the strategy always was; with one size given, "auto" is the rest of the
 world (``ModelParallelStrategy`` would put every device of a node into one tensor-parallel
@@ -57,6 +61,34 @@ def mesh_for(sizes: tuple[Size, Size], world_size: int, device_type: str) -> Any
     if sizes == ("auto", "auto"):
         return None
     return build_mesh(device_type, *resolve_sizes(*sizes, world_size))
+
+
+def hand_over(strategy: Any, sizes: tuple[Size, Size]) -> Any:
+    """The Trainer strategy's mesh for ``(data_parallel_size, tensor_parallel_size)`` (None when
+    both are "auto"), given to its LightningModule as ``self.device_mesh`` for
+    ``configure_model`` (collective: after the process group exists).
+
+    ``LightningModule.device_mesh`` is read-only: Lightning's ``ModelParallelStrategy`` hands the
+    mesh over in its ``setup_environment``. So one is made here over ``strategy``'s devices,
+    cluster environment and module, and its public ``setup_environment`` builds the mesh and
+    hands it over (the process group already exists: it joins that one). No private attribute
+    of Lightning is touched."""
+    if sizes == ("auto", "auto"):
+        return None
+    dp, tp = resolve_sizes(*sizes, strategy.world_size)
+    module = strategy.lightning_module
+    if module is None:  # nothing to hand over to
+        return build_mesh(strategy.root_device.type, dp, tp)
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    lender = ModelParallelStrategy(dp, tp, process_group_backend=strategy.process_group_backend)
+    lender.accelerator = strategy.accelerator
+    lender.parallel_devices = strategy.parallel_devices
+    lender.cluster_environment = strategy.cluster_environment
+    lender.num_nodes = strategy.num_nodes
+    lender.connect(module)
+    lender.setup_environment()
+    return lender.device_mesh
 
 
 def sampler_kwargs(mesh: Any) -> dict[str, int]:

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_zero_offload.core import ZeroOffloadConfig
 from lightning_zero_offload.core.device.profile import FIELDS
 from lightning_zero_offload.core.dist import collectives
+from lightning_zero_offload.core.dist.fsdp import Fsdp
 from lightning_zero_offload.lightning import checkpoint as ckpt
 from lightning_zero_offload.lightning import mesh as tp_mesh
 from lightning_zero_offload.lightning.common import (
@@ -71,10 +72,12 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
             Loads wait for it; ``strategy.wait_for_save()`` waits explicitly.
         data_parallel_size, tensor_parallel_size: as in Lightning's ``ModelParallelStrategy``: a
             2-D ``DeviceMesh`` ("data_parallel", "tensor_parallel") that ``configure_model`` gets
-            as ``self.device_mesh`` to parallelize itself (``parallelize_module``); the engine
-            partitions each rank's local tensor-parallel shards over the data-parallel group.
-            One "auto" is the rest of the processes; both "auto" (the default): data parallel
-            only, no mesh (``lightning_zero_offload.lightning.mesh``).
+            as ``self.device_mesh`` to parallelize itself (``parallelize_module`` over
+            ``["tensor_parallel"]``; the engine partitions each rank's local shards over the
+            data-parallel group) and/or shard itself (``fully_shard`` over
+            ``["data_parallel"]``: FSDP2 shards the weights, the engine steps each rank's
+            shards). One "auto" is the rest of the processes; both "auto" (the default): data
+            parallel only, no mesh (``lightning_zero_offload.lightning.mesh``).
         timeout: of the process group the strategy starts (the framework's own collectives,
             such as Lightning's per-batch broadcast): default ``config.collective_timeout_s``,
             so a failed rank ends its peers within that time, not the usual 30 minutes.
@@ -163,14 +166,6 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
         """The 2-D ``DeviceMesh`` (after the processes start) when a size was given, else None."""
         return self._device_mesh
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._device_mesh = tp_mesh.mesh_for(self._mesh_sizes, self.world_size,
-                                             self.root_device.type)
-        if self._device_mesh is not None and self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._device_mesh  # configure_model's
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -180,10 +175,12 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        # DDP re-seeds every process here; with one process the default strategy does not, so
-        # keep the random state (same shuffle, dropout and data order as without offload).
+        # DDP re-seeds every process here (and so does the mesh's hand-off); with one process the
+        # default strategy does not, so keep the random state (same shuffle, dropout and data
+        # order as without offload).
         states = _collect_rng_states() if self.keeps_user_sampler else None
         super().setup_distributed()
+        self._device_mesh = tp_mesh.hand_over(self, self._mesh_sizes)  # configure_model's
         if states is not None:
             _set_rng_states(states)
 
@@ -319,8 +316,10 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Non-final micro-batches of an accumulation keep their gradients local."""
-        if self.engine is None:
+        """Non-final micro-batches of an accumulation keep their gradients local. Under FSDP2
+        each is reduced, as under ``ModelParallelStrategy`` (kept, they would be the whole
+        model's unsharded gradients on every device); the engine adds them up on the host."""
+        if self.engine is None or isinstance(self.engine.tp, Fsdp):
             yield
             return
         with self.engine.no_sync():
@@ -383,7 +382,8 @@ class ZeroOffloadStrategy(EngineOwner, DDPStrategy):
                     "consolidate it first: lightning_zero_offload.lightning."
                     "consolidate_checkpoint(directory, 'model.ckpt')"
                 )
-            super().load_model_state_dict(checkpoint, strict=strict)
+            assert self.lightning_module is not None
+            ckpt.load_weights(self.lightning_module, checkpoint["state_dict"], strict)
         # with an engine, the weights load together with the optimizer state (below), since
         # load_full_state_dict needs both
 
