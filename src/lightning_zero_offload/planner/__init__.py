@@ -6,9 +6,10 @@ whether it fits, the largest model that would, and predicts the CPU step's time 
 measurement of the fused AdamW kernel on this host. When it does not fit it names the memory
 that is short and the changes that fit (``advice``), each re-planned here. Modules: ``inputs``
 (reading and checking the arguments), ``model`` (a model folder's count and shape, the activation
-estimate), ``figures`` (``plan``: the fit, the largest model), ``counts`` (a rank's bytes, the
-ranks' cut of the model), ``split`` (which buckets' state stays on the device), ``advice`` (what
-to change), ``report`` (the text), ``cli`` (``lzo-plan``).
+estimate), ``figures`` (``plan``: the fit), ``largest`` (the largest model that fits, and which
+memory bounds it), ``counts`` (a rank's bytes, the ranks' cut of the model), ``split`` (which
+buckets' state stays on the device), ``advice`` (what to change), ``report`` (the text), ``cli``
+(``lzo-plan``).
 
 ``P`` = trained parameters, ``F`` = frozen ones, ``W`` = data-parallel
 ranks, ``S = P / W`` = this rank's shard, ``h`` = bytes per element of the compute dtype (2 for
@@ -70,6 +71,16 @@ tensor parallelism and FSDP2 (``tensor_parallel_size``, ``fsdp``; ``counts``)
     one layer (``(P + F) / L`` of a model config), else ``(P + F) / 32``. Not counted: the root
     unit's own parameters, which FSDP2 keeps unsharded from forward to backward, and a unit's
     unsharded gradients before their reduce-scatter. The largest model keeps ``U``'s share.
+
+host-resident weights (``offload_weights``, with ``fsdp`` on a GPU; ``counts.host_resident``)
+    FSDP2's ``CPUOffloadPolicy`` keeps each rank's fp32 shards on the host, and they are the
+    engine's master, stepped in place: the device holds no weights, only the two units in
+    flight ``2 h U / T``, the engine's three gradient buckets and the activations; the host per
+    rank ``4 S`` (the shards = the master), the rule's state, the gradient in the compute dtype
+    ``h S`` (pinned blocks; ``+ 4 S`` accumulating), FSDP2's frozen shards ``4 F / (D T)`` and
+    its fp32 gradient of one unit ``4 U / (D T)``. All of the state is on the host (offload
+    fraction 1; no delayed update). The largest model then is bounded by host memory, unless
+    the units in flight outgrow the device; the report says which (``largest``).
 
 host memory
     ``host_memory`` less ``host_reserve`` (default 10% of it) kept for the OS, Python and data

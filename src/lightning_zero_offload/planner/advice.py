@@ -165,9 +165,11 @@ def _activation_changes(s: dict[str, Any], evaluate: Evaluate) -> list[dict[str,
 
 
 def _pool(s: dict[str, Any], evaluate: Evaluate, cuda: bool) -> list[dict[str, Any]]:
-    """The pool settings that fit: fraction, headroom (on a GPU), host reserve."""
-    return [o for o in (_fraction(s, evaluate) if cuda else None,
-                        _headroom(s, evaluate) if cuda else None, _reserve(s, evaluate))
+    """The pool settings that fit: fraction, headroom (on a GPU, not with --offload-weights,
+    where all of the state is on the host), host reserve."""
+    split = cuda and not s.get("offload_weights")
+    return [o for o in (_fraction(s, evaluate) if split else None,
+                        _headroom(s, evaluate) if split else None, _reserve(s, evaluate))
             if o is not None]
 
 

@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --fsdp, parameters of the largest fully_shard unit, e.g. 1.2B "
                    "(default: one layer of --model, params / num_hidden_layers, else params / "
                    "32); the largest model holds its share of the model")
+    p.add_argument("--offload-weights", action="store_true",
+                   help="with --fsdp: fully_shard with CPUOffloadPolicy, so each rank's sharded "
+                   "fp32 weights live on the host as the engine's master (stepped in place); the "
+                   "device holds FSDP2's units in flight, the gradient buckets and the "
+                   "activations; all of the optimizer state on the host")
     p.add_argument("--ranks-per-node", type=int, help="ranks sharing one machine's host memory "
                    "(default: --world-size, one machine)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                       device_memory_headroom=a.device_memory_headroom, optimizer=a.optimizer,
                       optimizer_options=dict(a.optimizer_option),
                       tensor_parallel_size=a.tensor_parallel_size, fsdp=a.fsdp,
-                      fsdp_unit_params=a.fsdp_unit_params)
+                      fsdp_unit_params=a.fsdp_unit_params,
+                      offload_weights=a.offload_weights)
     except PlanArgumentError as e:
         p.error(f"argument {e.option}: {e.problem}")
     except (ValueError, OSError, ImportError) as e:

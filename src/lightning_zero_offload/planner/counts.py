@@ -1,7 +1,9 @@
 """A rank's device and host bytes for a model of a given size: the engine's own count over the
 rank's share of the model (``core.buckets.host_plan`` and ``core.buckets.device_budget``), that
 share cut by tensor parallelism and, with FSDP2 (``fully_shard``), by the data-parallel ranks
-too, plus FSDP2's all-gather buffers (``Ranks``; the terms are in ``planner``'s docstring)."""
+too, plus FSDP2's all-gather buffers (``Ranks``; the terms are in ``planner``'s docstring). With
+``offload_weights`` (FSDP2's ``CPUOffloadPolicy``) the weights live on the host and are the
+engine's master: :func:`host_resident` states its bytes term by term."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ WEIGHTS = "weights"  # every rank holds them all (divided by the tensor-parallel
 SHARDED_WEIGHTS = "weights (FSDP2 shard)"
 IN_FLIGHT_UNITS = 2  # FSDP2 unshards the unit that runs and prefetches the next one
 ALL_GATHER = f"FSDP2 all-gather ({IN_FLIGHT_UNITS} units)"
+FROZEN_SHARDS = "FSDP2 frozen shards"  # host, --offload-weights: frozen weights, fp32
+UNIT_GRAD = "FSDP2 unit gradient"  # host, --offload-weights: its fp32 gradient of one unit
 DEFAULT_UNITS = 32  # the units assumed without a layer count or --fsdp-unit-params
 
 
@@ -25,12 +29,13 @@ class Ranks:
     state over the data-parallel ranks; with ``fsdp`` a rank holds 1/(DP x TP) of the weights
     and the engine steps exactly those (its partition is FSDP2's: a world of one, as
     ``core.dist.fsdp`` lays it out). ``unit_share``: FSDP2's largest unit, a share of all the
-    parameters."""
+    parameters. ``offload_weights``: FSDP2 keeps the shards on the host (``CPUOffloadPolicy``)."""
 
     world_size: int
     tensor_parallel: int = 1
     fsdp: bool = False
     unit_share: float = 0.0
+    offload_weights: bool = False
 
     def __post_init__(self) -> None:
         check(self.world_size, self.tensor_parallel, self.fsdp)  # a search's sizes too
@@ -48,13 +53,14 @@ class Ranks:
         """Of ``n`` parameters, those one rank holds and the engine lays out."""
         return -(-n // (self.world_size if self.fsdp else self.tensor_parallel))
 
+    def unit(self, params: int) -> int:
+        """FSDP2's largest unit of a model of ``params`` parameters (0 without FSDP2)."""
+        return max(1, round(self.unit_share * params)) if self.fsdp else 0
+
     def all_gather(self, params: int, elem: int) -> int:
         """Bytes of FSDP2's unsharded units in flight for a model of ``params`` parameters in
         ``elem``-byte weights (a unit gathers its tensor-parallel rank's part); 0 without."""
-        if not self.fsdp:
-            return 0
-        unit = max(1, round(self.unit_share * params))
-        return IN_FLIGHT_UNITS * elem * -(-unit // self.tensor_parallel)
+        return IN_FLIGHT_UNITS * elem * -(-self.unit(params) // self.tensor_parallel)
 
 
 def check(world_size: int, tensor_parallel: int, fsdp: bool) -> None:
@@ -66,6 +72,45 @@ def check(world_size: int, tensor_parallel: int, fsdp: bool) -> None:
             "tensor_parallel_size", f"{tensor_parallel} does not divide the world size "
             f"({world_size}): the data-parallel size is the world size / the tensor-parallel "
             "size; give a divisor of it, or another --world-size")
+
+
+def check_offload_weights(offload_weights: bool, fsdp: bool, device: str,
+                          offload_fraction: float | str, delayed_update: bool) -> None:
+    """Refuse ``offload_weights`` where it has no meaning: without FSDP2, with the CPU as the
+    compute device, with part of the state on the device or with the delayed update."""
+    if not inputs.flag(offload_weights, "offload_weights"):
+        return
+    if not fsdp:
+        raise inputs.PlanArgumentError(
+            "offload_weights", "needs --fsdp (fsdp=True): the weights live on the host as "
+            "FSDP2's CPUOffloadPolicy keeps the shards of a fully_shard-ed model")
+    if device == "cpu":
+        raise inputs.PlanArgumentError(
+            "offload_weights", "with the CPU as the compute device (--device cpu) the weights "
+            "are in host memory already: --offload-weights plans a GPU run")
+    if offload_fraction not in (inputs.AUTO, 1.0):
+        raise inputs.PlanArgumentError(
+            "offload_fraction", f"{offload_fraction!r} with --offload-weights: the engine steps "
+            "FSDP2's host shards in place, so all of the optimizer state is on the host; use "
+            "1.0 or auto")
+    if delayed_update:
+        raise inputs.PlanArgumentError(
+            "delayed_update", "with --offload-weights: the host step runs under the next "
+            "forward, exactly, in its place; drop --delayed-update")
+
+
+def fsdp_notes(offload_weights: bool) -> list[str]:
+    """What the FSDP2 figures of a GPU run leave out."""
+    held = "" if offload_weights else "its sharded weights and "
+    notes = [f"FSDP2's own bytes beyond {held}two units in flight are not counted: the root "
+             "unit's parameters, unsharded from forward to backward, and a unit's gradients "
+             "before their reduce-scatter"]
+    if offload_weights:
+        notes.append("FSDP2 pins each parameter's host shard on its own (CPUOffloadPolicy's "
+                     "pin_memory=True, its default) and torch's pinned allocator rounds every "
+                     "block up to a power of two: up to twice the weights' 4 bytes per "
+                     "parameter, by the model's shapes; not counted")
+    return notes
 
 
 def unit_params(total: int, fsdp: bool, given: int | float | str | None,
@@ -118,6 +163,9 @@ def counts(trained: int, frozen: int, precision: str, ranks: Ranks, device: str,
     from lightning_zero_offload.core.config import PRECISIONS
     from lightning_zero_offload.core.limits import MAX_IN_FLIGHT
 
+    if ranks.offload_weights:
+        return host_resident(trained, frozen, precision, ranks, bucket_bytes, activations,
+                             moment_dtype, accumulate, rule)
     dtype, h = PRECISIONS[precision], inputs.ELEM[precision]
     half, cpu = h != 4, device == "cpu"
     n, nf, w = ranks.local(trained), ranks.local(frozen) if frozen else 0, ranks.engine_world
@@ -146,4 +194,52 @@ def counts(trained: int, frozen: int, precision: str, ranks: Ranks, device: str,
             dev[ALL_GATHER] = gather
         if activations:
             dev["activations (estimate)"] = activations
+    return dev, {k: v for k, v in host.items() if v}
+
+
+def host_resident(trained: int, frozen: int, precision: str, ranks: Ranks, bucket_bytes: int,
+                  activations: int, moment_dtype: str, accumulate: bool,
+                  rule: Rule) -> tuple[dict, dict]:
+    """(device breakdown, host breakdown) of one rank of a model ``fully_shard``-ed with
+    FSDP2's ``CPUOffloadPolicy`` (``--offload-weights``, on a GPU): FSDP2's fp32 host shards
+    are the engine's master, stepped in place. ``n`` = this rank's trained elements
+    (``ranks.local``), ``nf`` its frozen ones, ``u`` its part of FSDP2's largest unit ``U``
+    (``U / (D T)``), ``h`` the compute dtype's bytes, ``B`` a bucket's elements (``buckets``),
+    ``T`` the tensor-parallel size. Terms, in bytes:
+
+    device
+        ``ALL_GATHER``: ``2 h U / T``, FSDP2's unsharded units in flight (the one that runs
+        and the prefetched one) in the compute dtype; ``"gradient buckets (3)"``: ``3 h B``,
+        the engine's ring (``core.buckets.device_budget.parts``, a world of one); the
+        activations where estimated. No weights: FSDP2 copies each unit up as it runs.
+    host
+        ``"master"``: ``4 n``, FSDP2's shards (its memory, the only fp32 copy);
+        ``"moments"``: ``rule.host_bytes(n, moment_dtype)`` (AdamW 8 / 4 / 2 + 8/256 with
+        fp32 / bf16 / int8 moments); ``"staging"``: ``h n`` in pinned power-of-two blocks
+        (``core.buckets.host_plan.plan_counts``): the reduced gradient the kernel reads, which
+        carries no weights back (the kernel writes the master); ``"grad_fp32"``: ``4 n`` where
+        the run accumulates; ``FROZEN_SHARDS``: ``4 nf``, FSDP2's fp32 shards of the frozen
+        weights; ``UNIT_GRAD``: ``4 u``, FSDP2's fp32 host gradient of one unit at a time,
+        dropped once the engine has its copy.
+
+    So per trained element in bf16-mixed, fixed buffers aside: 14 / 10 / 8.03 (fp32 / bf16 /
+    int8 moments), plus ``4 u / n``."""
+    from lightning_zero_offload.core.buckets.host_plan import plan_counts
+    from lightning_zero_offload.core.config import PRECISIONS
+
+    h = inputs.ELEM[precision]
+    n, nf = ranks.local(trained), ranks.local(frozen) if frozen else 0
+    laid = buckets(n, precision, 1, bucket_bytes, moment_dtype)
+    engine = plan_counts([n], laid, PRECISIONS[precision], asynchronous=True, delayed=False,
+                         pinned=True, rule=rule, moment_dtype=moment_dtype,
+                         accumulate=accumulate).parts
+    host = {"master": 4 * n, "moments": engine["moments"], "staging": engine["staging"],
+            "grad_fp32": engine["grad_fp32"], FROZEN_SHARDS: 4 * nf,
+            UNIT_GRAD: 4 * ranks.local(ranks.unit(trained + frozen))}
+    dev = device_budget.parts(trained=0, max_bucket=max(laid, default=0),
+                              max_shard=max(laid, default=0), world_size=1, resident=0, elem=h,
+                              delayed=False, accumulate=accumulate, rule=rule)
+    dev[ALL_GATHER] = ranks.all_gather(trained + frozen, h)
+    if activations:
+        dev["activations (estimate)"] = activations
     return dev, {k: v for k, v in host.items() if v}

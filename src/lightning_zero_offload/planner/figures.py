@@ -15,6 +15,7 @@ from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.core.rules.rules import RULES, rule_named
 from lightning_zero_offload.planner import counts, inputs, speed, split
 from lightning_zero_offload.planner.advice import short_resources, suggest
+from lightning_zero_offload.planner.largest import largest as find_largest
 from lightning_zero_offload.planner.model import ATTENTION, activation_bytes, model_info
 
 _ELEM = inputs.ELEM
@@ -86,6 +87,12 @@ class Plan:
     device_weight_bytes: int = 0
     fsdp_all_gather_bytes: int = 0
     device_engine_bytes: int = 0
+    # --offload-weights: FSDP2 keeps the shards on the host, the engine's master (counts.
+    # host_resident); the largest model's bound ("device", "host", "device and host"; None at
+    # the planner's limit) and, where the host bounds it, the largest the device alone holds
+    offload_weights: bool = False
+    max_params_bound: str | None = None
+    max_params_device_alone: int | None = None
 
     @property
     def host_usable(self) -> int | None:
@@ -114,7 +121,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
          accumulate: bool = False, offload_fraction: float | str = split.AUTO,
          device_memory_headroom: float = split.DEFAULT_HEADROOM, optimizer: str = "adamw",
          optimizer_options: dict | None = None, tensor_parallel_size: int = 1,
-         fsdp: bool = False, fsdp_unit_params: int | float | str | None = None) -> Plan:
+         fsdp: bool = False, fsdp_unit_params: int | float | str | None = None,
+         offload_weights: bool = False) -> Plan:
     """Memory and CPU-step prediction for training ``params`` parameters (or the local HF model
     ``model``) with ZeRO-Offload; see the package docstring for every term. ``host_memory`` is
     the machine's, shared by its ``ranks_per_node`` ranks (default: all ``world_size``), less
@@ -137,8 +145,10 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
     fit, each re-planned. ``world_size`` ranks are ``tensor_parallel_size`` x data-parallel
     ranks; ``fsdp``: FSDP2 (``fully_shard``) shards the weights over the data-parallel ranks, its
     largest unit ``fsdp_unit_params`` (default: one layer of a ``model``, else 1/32 of the
-    parameters; ``counts``). A bad argument raises ``ValueError`` (``TypeError`` for a wrong
-    type) naming it."""
+    parameters; ``counts``); ``offload_weights`` (with ``fsdp``, on a GPU): FSDP2's
+    ``CPUOffloadPolicy`` keeps the shards on the host, the engine's master, all of the state on
+    the host (``counts.host_resident``). A bad argument raises ``ValueError`` (``TypeError`` for
+    a wrong type) naming it."""
     if (params is None) == (model is None):
         raise ValueError("plan: give exactly one of params (a count) and model (a local folder "
                          "or config.json)")
@@ -168,6 +178,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
                       ("activation_checkpointing", activation_checkpointing),
                       ("accumulate", accumulate)):
         inputs.flag(val, name)
+    counts.check_offload_weights(offload_weights, fsdp, device, fraction, delayed_update)
+    fraction = 1.0 if offload_weights else fraction  # every byte of the state on the host
     dev_mem = inputs.memory(device_memory, "device_memory")
     host_mem = inputs.memory(host_memory, "host_memory")
     reserve = inputs.reserve(host_reserve, host_mem)
@@ -187,7 +199,8 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
               delayed_update=delayed_update, moment_dtype=moment_dtype,
               activation_checkpointing=activation_checkpointing, attention=attention,
               accumulate=accumulate, offload_fraction=fraction, headroom=headroom, rule=rule,
-              tensor_parallel=tensor_parallel_size, fsdp=fsdp, unit_share=(unit or 0) / total)
+              tensor_parallel=tensor_parallel_size, fsdp=fsdp, unit_share=(unit or 0) / total,
+              offload_weights=offload_weights)
     result = _evaluate(st, search=True)
     if device == "cpu":
         result.notes.append("activations are not counted (with the CPU as the device they take "
@@ -197,10 +210,7 @@ def plan(params: int | float | str | None = None, *, model: str | os.PathLike | 
                             "needs batch_size, seq_len and a model config (--batch-size, "
                             "--seq-len, --model) for the hidden size, layers and heads")
     if fsdp and device == "cuda":
-        result.notes.append("FSDP2's own bytes beyond its sharded weights and two units in "
-                            "flight are not counted: the root unit's parameters, unsharded "
-                            "from forward to backward, and a unit's gradients before their "
-                            "reduce-scatter")
+        result.notes += counts.fsdp_notes(offload_weights)
     if result.fits is False:
         result.short = short_resources(result)
         result.suggestions = suggest(result, st, lambda o: _evaluate({**st, **o}, search=False))
@@ -243,7 +253,8 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
     acts = activation_bytes(st["info"], st["batch_size"], st["seq_len"], st["precision"],
                             st["activation_checkpointing"], st["attention"])
 
-    cut = counts.Ranks(st["world_size"], st["tensor_parallel"], st["fsdp"], st["unit_share"])
+    cut = counts.Ranks(st["world_size"], st["tensor_parallel"], st["fsdp"], st["unit_share"],
+                       st["offload_weights"])
 
     def sizes(n_trained: int, n_frozen: int, accumulate: bool, a: int,
               k: int) -> tuple[dict, dict]:
@@ -264,7 +275,7 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
 
     def on_device(n_trained: int, n_frozen: int, a: int) -> int | None:
         """Buckets kept on the device; None when no "auto" split fits both memories."""
-        if device == "cpu":
+        if device == "cpu" or st["offload_weights"]:
             return 0
         if not auto:  # the engine's setup check: its own bytes (no activations yet) fit
             def engine_fits(k: int) -> bool:
@@ -315,30 +326,23 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 <= limit
 
         after = split.host_fraction(own, split.most_on_device(k, len(own), within))
-    largest = blocked = None
-    if search and fits is not None:  # bytes grow with the model: bisect on the total
+    largest = blocked = bound = alone = None
+    if search and fits is not None:  # bytes grow with the model (``largest``)
         share = frozen / total  # (same frozen share; batch, sequence and activations held)
 
-        def ok(n: int, a: int = acts) -> bool:
+        def fits_at(n: int, a: int = acts) -> tuple[bool | None, bool | None]:
             nf = int(n * share)
             j = on_device(n - nf, nf, a)
-            if j is None:
-                return False
+            if j is None:  # no offload split fits both memories
+                return False, False
             d, hb = sizes(n - nf, nf, st["accumulate"], a, j)
-            return all(fit(sum(d.values()), sum(hb.values()), j))
+            return fit(sum(d.values()), sum(hb.values()), j)
 
-        lo, hi = 0, 1
-        while ok(hi):
-            if hi == inputs.MAX_PARAMS:  # as far as the planner counts
-                lo = hi
-                break
-            lo, hi = hi, min(hi * 2, inputs.MAX_PARAMS)
-        while hi - lo > max(1, lo // 10**4):
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-        largest = lo
-        if lo == 0 and acts and ok(1, 0):  # a tiny model fits but for the activations
-            largest, blocked = None, "activations"
+        largest, bound = find_largest(fits_at)
+        if largest == 0 and acts and all(fits_at(1, 0)):  # fits but for the activations
+            largest, bound, blocked = None, None, "activations"
+        elif st["offload_weights"] and bound == "host":  # the device holds no weights
+            alone = find_largest(lambda n: (fits_at(n)[0], True))[0]
     optimizer = sum(dev.get(key, 0) for key in device_budget.STATE_PARTS)
     copies = _async_copies(total - frozen, st["world_size"], st["moment_dtype"], k, st["rule"])
     room = None if usable is None else usable - host_bytes * ranks
@@ -357,7 +361,8 @@ def _evaluate(st: dict[str, Any], search: bool) -> Plan:
                 offload_fraction_after_first_step=after,
                 async_copy_sharded=copies["sharded"],
                 async_copy_consolidated=copies["consolidated"], async_copy_fits=copy_fits,
-                auto_tried=tried, optimizer=st["rule"].KEY, **_owners(dev, cut, total, acts))
+                auto_tried=tried, optimizer=st["rule"].KEY, max_params_bound=bound,
+                max_params_device_alone=alone, **_owners(dev, cut, total, acts))
 
 
 def _owners(dev: dict[str, int], cut: counts.Ranks, total: int, acts: int) -> dict[str, Any]:
@@ -365,8 +370,9 @@ def _owners(dev: dict[str, int], cut: counts.Ranks, total: int, acts: int) -> di
     weights = dev.get(counts.WEIGHTS, 0) + dev.get(counts.SHARDED_WEIGHTS, 0)
     gather = dev.get(counts.ALL_GATHER, 0)
     return dict(tensor_parallel_size=cut.tensor_parallel, data_parallel_size=cut.data_parallel,
-                fsdp=cut.fsdp, fsdp_unit_params=round(cut.unit_share * total) if cut.fsdp
-                else None, device_weight_bytes=weights, fsdp_all_gather_bytes=gather,
+                fsdp=cut.fsdp, offload_weights=cut.offload_weights,
+                fsdp_unit_params=round(cut.unit_share * total) if cut.fsdp else None,
+                device_weight_bytes=weights, fsdp_all_gather_bytes=gather,
                 device_engine_bytes=sum(dev.values()) - weights - gather - (acts if dev else 0))
 
 

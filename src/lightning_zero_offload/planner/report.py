@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_zero_offload._units import format_bytes
+from lightning_zero_offload.planner.counts import UNIT_GRAD
+from lightning_zero_offload.planner.inputs import MAX_PARAMS
 
 
 def _size(b: int | None) -> str:
@@ -28,6 +30,9 @@ def _activation_fixes(p: Any) -> str:
 
 def _split(p: Any) -> list[str]:
     """The offload fraction: asked or resolved, what stays on the device, "auto"'s next move."""
+    if p.offload_weights:
+        return [f"offload fraction: {p.offload_fraction:.3f} (--offload-weights: the weights "
+                "and all of the optimizer state on the host, stepped there in place)"]
     f, within = p.offload_fraction, f"{1 - p.device_memory_headroom:.0%}"
     on_device = ("all of the optimizer state on the host" if f == 1.0 else
                  f"{1 - f:.1%} of the optimizer state on the device "
@@ -87,11 +92,42 @@ def _fsdp(p: Any) -> list[str]:
     """Under FSDP2: the device bytes by owner, and what the all-gather term assumes."""
     if not p.fsdp or p.device != "cuda":
         return []
-    return [f"  by owner: the model's weights {_size(p.device_weight_bytes)} (1/"
-            f"{p.data_parallel_size * p.tensor_parallel_size} per rank), FSDP2's all-gather "
+    weights = ("none (FSDP2's shards are on the host: --offload-weights)" if p.offload_weights
+               else f"{_size(p.device_weight_bytes)} (1/"
+               f"{p.data_parallel_size * p.tensor_parallel_size} per rank)")
+    return [f"  by owner: the model's weights {weights}, FSDP2's all-gather "
             f"{_size(p.fsdp_all_gather_bytes)} (2 units in flight of "
             f"{p.fsdp_unit_params / 1e9:.3f}B parameters: --fsdp-unit-params), the engine "
             f"{_size(p.device_engine_bytes)}"]
+
+
+def _per_parameter(p: Any) -> list[str]:
+    """--offload-weights: the host bytes per trained parameter of the rank's shard, by term."""
+    if not p.offload_weights:
+        return []
+    b, n = p.host_breakdown, -(-p.trainable_params // p.world_size)
+    terms = {"the weights = the fp32 master": b.get("master", 0),
+             "the optimizer state": b.get("moments", 0),
+             "the gradient": b.get("staging", 0) + b.get("grad_fp32", 0),
+             "FSDP2's unit gradient": b.get(UNIT_GRAD, 0)}
+    return [f"  per trained parameter of the rank's shard: {sum(terms.values()) / n:.2f} bytes ("
+            + ", ".join(f"{k} {v / n:.2f}" for k, v in terms.items()) + ")"]
+
+
+def _bound(p: Any) -> list[str]:
+    """--offload-weights: which memory bounds the largest model, and what the device holds."""
+    if not p.offload_weights or p.max_params_bound is None:
+        return []
+    held = (f"FSDP2's 2 units in flight ({p.fsdp_unit_params / p.params:.1%} of the model "
+            "each: --fsdp-unit-params)" + (", the gradient buckets and the activations"
+                                           if p.activation_bytes else
+                                           " and the gradient buckets"))
+    alone = p.max_params_device_alone
+    if p.max_params_bound != "host":
+        return [f"  bounded by {p.max_params_bound} memory: the device holds {held}"]
+    return ["  bounded by host memory" + ("" if alone is None else
+            f"; the device holds no weights, only {held}: alone it would hold "
+            f"{alone / 1e9:.2f}B" + (" or more" if alone >= MAX_PARAMS else ""))]
 
 
 def render(p: Any) -> str:
@@ -119,6 +155,7 @@ def render(p: Any) -> str:
                   f" ({_size(p.host_memory)} less a {_size(p.host_reserve)} reserve for the "
                   "OS, Python and data loaders: --host-reserve)"))
     lines += [f"  {k:<26} {_size(v)}" for k, v in p.host_breakdown.items()]
+    lines += _per_parameter(p)
     if p.device == "cuda":
         lines += _split(p)
     lines.append(f"fits: {yes[p.fits]}")
@@ -146,6 +183,7 @@ def render(p: Any) -> str:
         lines.append(f"largest model that fits: {p.max_params_that_fit / 1e9:.2f}B parameters "
                      "(same settings" + (", activations held at this batch and model)"
                                          if p.activation_bytes else "; activations not counted)"))
+        lines += _bound(p)
     lines.append(_checkpoints(p))
     rate = p.kernel_params_per_second
     if p.cpu_step_seconds is not None and rate is not None:
