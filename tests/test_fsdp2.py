@@ -5,6 +5,8 @@ a frozen parameter, accumulation 2, clip 1.0."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -52,10 +54,12 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
 
 
-def _reference(rank: int, world: int, kind: str, half: torch.dtype | None) -> dict:
+def _reference(rank: int, world: int, kind: str, half: torch.dtype | None,
+               build: Callable[[int, torch.dtype | None], nn.Module] | None = None) -> dict:
     """``fully_shard`` + torch's optimizer: FSDP2 accumulates (no reduction until the last
-    micro-batch), ``clip_grad_norm_`` over the DTensor gradients."""
-    model = _sharded(world, half)
+    micro-batch), ``clip_grad_norm_`` over the DTensor gradients; ``build``: the model
+    (default :func:`_sharded`)."""
+    model = (build or _sharded)(world, half)
     opt = _optimizer(model, kind)
     norms = []
     for step in range(STEPS):

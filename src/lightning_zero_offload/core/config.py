@@ -86,6 +86,16 @@ class ZeroOffloadConfig:
     ``device_memory_headroom`` (default 0.2) is the share of the device's memory ``"auto"`` leaves
     free: a later, longer batch may peak above the first step's.
 
+    ``offload_weights``: the model is ``fully_shard``-ed with FSDP2's ``CPUOffloadPolicy``, so
+    its sharded fp32 weights live in host memory and are the master the host step updates in
+    place (``core.step.overlap``): no second fp32 copy, no half weights of the engine's. None
+    (the default) reads it from where the shards live (on the host while the model computes on
+    an accelerator); on the CPU compute device, where both are host memory and FSDP2 exposes no
+    public getter for its offload policy, say True. ``overlap_host_step`` (with
+    ``offload_weights``): the host step runs on a worker thread, unit by unit in the order the
+    next forward needs them, and each unit's forward waits for its own update only (the result
+    is bit for bit the unoverlapped step's); False steps every unit before ``step()`` returns.
+
     ``precision=None`` (the default) takes the framework's: Lightning's ``precision``,
     Accelerate's ``mixed_precision``, the transformers Trainer's ``bf16``/``fp16``; the plain
     engine uses ``DEFAULT_PRECISION`` (``"bf16-mixed"``). An explicit value that disagrees with
@@ -109,6 +119,8 @@ class ZeroOffloadConfig:
     accumulate: bool | None = None
     offload_fraction: float | str = "auto"
     device_memory_headroom: float = 0.2
+    offload_weights: bool | None = None
+    overlap_host_step: bool = True
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -132,13 +144,15 @@ class ZeroOffloadConfig:
                 fail(name, ("an int" if integer else "a number") + (" or None" * optional))
             return True
 
-        for name in ("delayed_update", "check_host_memory"):
+        for name in ("delayed_update", "check_host_memory", "overlap_host_step"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "True or False")
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             fail("pin_memory", "True, False or None")
         if self.accumulate is not None and not isinstance(self.accumulate, bool):
             fail("accumulate", "True, False or None")
+        if self.offload_weights is not None and not isinstance(self.offload_weights, bool):
+            fail("offload_weights", "True, False or None")
         if number("max_grad_norm", optional=True) and not (self.max_grad_norm or 0) > 0:
             fail("max_grad_norm", "a positive number or None", ValueError)
         if number("bucket_size_mb") and not 0 < self.bucket_size_mb < math.inf:

@@ -36,6 +36,7 @@ class ZeroOffload:
         self.compute_dtype = dtype = config.compute_dtype
         pinned = checks.resolve_pinned(config.pin_memory, self.device)
         self.tp, process_group = fsdp.setup(module, device_mesh, process_group, self.device)
+        self.config = config = fsdp.host_config(self.tp, module, config, self.device)
         self.rank, self.world_size = checks.rank_and_world(process_group)
         self.process_group = collectives.engine_group(process_group, config.collective_timeout_s)
         self._release_group = collectives.releaser(self, self.process_group, process_group)
@@ -56,9 +57,8 @@ class ZeroOffload:
         self._owners = o = setup.build(setup.Where(
             self.layout, module, self.config, dtype, pinned, self.rank, self.process_group,
             self.device, self.tp, self.rule))
-        self._dev, self._part, self._profile = o.dev, o.part, o.profile
+        self._dev, self._part, self._profile, self._buckets = o.dev, o.part, o.profile, o.buckets
         self._weights, self._host, self._streamer = o.weights, o.host, o.streamer
-        self._buckets = o.buckets
         self._delayed, self._stepper = o.delayed, o.stepper
         self._timer = PassTimer(self._profile)
         self._hooks = setup.hook(module, self._cast_inputs, self._forward_started,

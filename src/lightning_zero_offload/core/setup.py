@@ -29,20 +29,29 @@ from torch import nn
 from lightning_zero_offload.core import ranks
 from lightning_zero_offload.core.buckets.buckets import Buckets
 from lightning_zero_offload.core.buckets.host import HostBuffers, budget_at
-from lightning_zero_offload.core.buckets.layout import Layout, build_layout, shard_align
+from lightning_zero_offload.core.buckets.host_plan import held_numel
+from lightning_zero_offload.core.buckets.layout import (
+    Layout,
+    build_layout,
+    shard_align,
+    shard_pieces,
+)
 from lightning_zero_offload.core.buckets.master_fill import fill_master
+from lightning_zero_offload.core.buckets.pieces import Pieces
 from lightning_zero_offload.core.buckets.resident import DevicePart
 from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.device.device import SyncDevice
 from lightning_zero_offload.core.device.device_factory import make_device
 from lightning_zero_offload.core.device.profile import ProfileRecorder
 from lightning_zero_offload.core.dist.fsdp import Fsdp
+from lightning_zero_offload.core.dist.tensor_parallel import local
 from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.core.step.delayed import DelayedUpdate
+from lightning_zero_offload.core.step.overlap import OverlappedStep
 from lightning_zero_offload.core.step.step import Stepper
 from lightning_zero_offload.core.step.threads import CpuStepWorker, step_threads
 from lightning_zero_offload.core.step.update import DeviceUpdate, HostUpdate, SyncUpdate
-from lightning_zero_offload.core.transfer.shard_weights import ShardWeights
+from lightning_zero_offload.core.transfer.shard_weights import HostShardWeights, ShardWeights
 from lightning_zero_offload.core.transfer.streaming import GradStreamer
 from lightning_zero_offload.core.transfer.weights import DeviceWeights
 
@@ -94,9 +103,9 @@ class Owners:
     host: HostBuffers
     streamer: GradStreamer
     worker: CpuStepWorker | None
-    delayed: DelayedUpdate
+    delayed: DelayedUpdate | OverlappedStep  # what lands the pending host update
     stepper: Stepper
-    checks: list  # hooks that check the first forward (FSDP2's compute dtype)
+    checks: list  # FSDP2's hooks: its compute dtype, the overlapped step's waits
 
 
 def lay_out(groups: list[list[nn.Parameter]], trainable: Any, order: Any, names: Any,
@@ -123,7 +132,8 @@ def place(w: Where) -> tuple[SyncDevice, DevicePart, Buckets]:
     the host budget (``DevicePart.host_budget``, its one writer) and the device's count."""
     dev = make_device(w.device, w.group, w.config.collective_timeout_s)
     budget = budget_at(w.layout, w.module, w.trained, w.dtype, **_sizing(w, dev),
-                       cpu=w.device.type == "cpu" and dev.memory() is None)
+                       cpu=w.device.type == "cpu" and dev.memory() is None,
+                       own_master=not w.config.offload_weights)
     part = DevicePart(w.layout, dev, w.dtype, w.config, w.rank, w.group, budget, w.rule)
     ranks.start(w.layout, w.module, w.group, w.device, w.tp, part.choose, w.config)
     part.agree()  # a lazy fp32 gradient adds its own later
@@ -137,16 +147,29 @@ def fill(w: Where, dev: SyncDevice, part: DevicePart, buckets: Buckets) -> HostB
     """Stage 2: the host's master arrays (only they, as yet), then every bucket's master."""
     host = HostBuffers(w.layout, w.dtype, rank=w.rank, **_sizing(w, dev),
                        check_memory=w.config.check_host_memory, on_fp32=part.fp32_allocated,
-                       host=[bk.b for bk in buckets.host()])
+                       host=[bk.b for bk in buckets.host()],
+                       masters=host_masters(w.layout, w.rank) if w.config.offload_weights
+                       else None)
     buckets.attach(host)
-    fill_master(w.layout, w.rank, w.pinned, buckets)
+    if host.owns_master:  # FSDP2's host shards (CPUOffloadPolicy) are the master already
+        fill_master(w.layout, w.rank, w.pinned, buckets)
     return host
+
+
+def host_masters(layout: Layout, rank: int) -> list[Pieces]:
+    """Per group, FSDP2's host shards at their places in the host arrays: the master."""
+    per_group: list[list[tuple[int, torch.Tensor]]] = [[] for _ in layout.group_numel]
+    for slot, lo, hi, at in shard_pieces(layout, rank):
+        per_group[slot.group].append((at, local(slot.param).detach().view(-1)[lo:hi]))
+    sizes = held_numel(layout, list(range(len(layout.buckets))))
+    return [Pieces(n, p) for n, p in zip(sizes, per_group, strict=True)]
 
 
 def bind_weights(w: Where, dev: SyncDevice, profile: ProfileRecorder) -> DeviceWeights:
     """Stage 3: the parameters become views of the device weights (under FSDP2 the device
     weights are its shards)."""
-    kind = ShardWeights if isinstance(w.tp, Fsdp) else DeviceWeights
+    kind = (HostShardWeights if w.config.offload_weights else
+            ShardWeights if isinstance(w.tp, Fsdp) else DeviceWeights)
     return kind(w.layout, w.module, w.dtype, dev, w.rank, w.trained,
                          w.config.delayed_update, profile)
 
@@ -165,17 +188,26 @@ def streamer(w: Where, buckets: Buckets, dev: SyncDevice,
 
 def stepper(w: Where, dev: SyncDevice, buckets: Buckets, grads: GradStreamer,
             weights: DeviceWeights, profile: ProfileRecorder
-            ) -> tuple[CpuStepWorker | None, DelayedUpdate, Stepper]:
+            ) -> tuple[CpuStepWorker | None, DelayedUpdate | OverlappedStep, Stepper]:
     """Stage 6: the worker (delayed update or pinned cores), the updates and the step."""
     c = w.config
     cores, threads = c.cpu_affinity, step_threads(c, w.layout.world_size, w.device)
-    worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores else None
+    overlap = bool(c.offload_weights and c.overlap_host_step)
+    worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores or overlap else None
     update = HostUpdate(w.layout, buckets, threads=threads, seed=c.moment_seed,
                         asynchronous=dev.asynchronous, half=w.dtype != torch.float32,
                         direct=weights.flat, profile=profile)
-    delayed = DelayedUpdate(worker, profile, weights, buckets, update)
     on_device = DeviceUpdate(buckets, profile=profile)
-    sync = SyncUpdate(update, worker, weights, profile)
+    delayed: DelayedUpdate | OverlappedStep
+    sync: SyncUpdate | OverlappedStep
+    if c.offload_weights:  # FSDP2's host weights: the step under the next forward
+        assert isinstance(weights, ShardWeights)
+        delayed = sync = OverlappedStep(update, worker, buckets, weights.units, weights.reshard,
+                                        profile, overlap=overlap)
+        grads.wait_before_writes(sync.join)  # the next backward writes what it reads
+    else:
+        delayed = DelayedUpdate(worker, profile, weights, buckets, update)
+        sync = SyncUpdate(update, worker, weights, profile)
     step = Stepper(w.layout, buckets, grads, on_device, sync, delayed, c, rule=w.rule,
                    rank=w.rank, process_group=w.group, device=w.device, profile=profile)
     return worker, delayed, step
@@ -203,6 +235,9 @@ def build(w: Where) -> Owners:
     grads = streamer(w, buckets, dev, profile)
     worker, delayed, step = stepper(w, dev, buckets, grads, weights, profile)
     checks = w.tp.check_forward_dtype(w.dtype) if isinstance(w.tp, Fsdp) else []
+    if isinstance(delayed, OverlappedStep):  # a unit's forward, module.state_dict(): wait
+        checks = [*checks, *delayed.hooks,  # a new list: the dtype check empties its own
+                  w.module.register_state_dict_pre_hook(lambda *_: delayed.join())]
     return Owners(dev, part, profile, weights, buckets, host, grads, worker, delayed, step,
                   checks)
 

@@ -41,6 +41,7 @@ from lightning_zero_offload.core.buckets.host_plan import (
     round_up,
 )
 from lightning_zero_offload.core.buckets.layout import Layout
+from lightning_zero_offload.core.buckets.pieces import Pieces
 from lightning_zero_offload.core.buckets.preflight import check_lazy_fp32
 from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.ops.moments import Moments
@@ -82,8 +83,10 @@ class HostBuffers:
                  delayed: bool, pinned: bool, rule: Rule, moment_dtype: str = "fp32",
                  rank: int = 0, accumulate: bool | None = False, check_memory: bool = False,
                  on_fp32: Callable[[int], None] | None = None,
-                 host: list[int] | None = None) -> None:
-        """Allocates the master (zeros, to be filled) of buckets ``host`` (default: all)."""
+                 host: list[int] | None = None, masters: list[Pieces] | None = None) -> None:
+        """Allocates the master (zeros, to be filled) of buckets ``host`` (default: all), unless
+        ``masters`` are given: FSDP2's host shards per group (``CPUOffloadPolicy``), stepped in
+        place."""
         self.layout, self.moment_dtype, self.rule = layout, moment_dtype, rule
         self.accumulate, self._check_memory, self._delayed = accumulate, check_memory, delayed
         self._on_fp32 = on_fp32  # told the bytes of a lazy fp32 gradient (the budget's owner)
@@ -92,7 +95,9 @@ class HostBuffers:
         self.host = list(range(len(layout.buckets))) if host is None else list(host)
         self.numel = held_numel(layout, self.host)
         self.sizes = self._plan(accumulate)
-        self.master = [torch.zeros(k, pin_memory=self._pinned_master) for k in self.numel]
+        self.master: list = masters if masters is not None else [
+            torch.zeros(k, pin_memory=self._pinned_master) for k in self.numel]
+        self.owns_master = masters is None
         self.moments: list[Moments] = []
         sets = 2 if delayed else 1
         self.staging: list[dict[int, Tensor] | None] = [None] * sets
@@ -108,7 +113,8 @@ class HostBuffers:
         dtype, asynchronous, pinned = self._args
         return plan(self.layout, dtype, asynchronous=asynchronous, delayed=self._delayed,
                     pinned=pinned, rule=self.rule, moment_dtype=self.moment_dtype,
-                    accumulate=accumulate, host=self.host)
+                    accumulate=accumulate, host=self.host,
+                    own_master=getattr(self, "owns_master", True))
 
     def allocate(self) -> None:
         """Everything but the master: the rule's state, the gradient sets' staging and, where
@@ -191,7 +197,7 @@ class HostBuffers:
 
     def allocated_bytes(self) -> int:
         """Bytes of everything allocated so far (at most ``sizes.total``)."""
-        out = sum(t.numel() * 4 for t in self.master)
+        out = sum(t.numel() * 4 for t in self.master) if self.owns_master else 0
         out += sum(m.nbytes for m in self.moments)
         out += sum(t.numel() * 4 for f in self.fp32 for t in f or [])
         return out + sum(a.nbytes for a in self._arenas if a is not None)

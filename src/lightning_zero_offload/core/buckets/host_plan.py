@@ -91,26 +91,29 @@ def held_numel(layout: Layout, host: list[int]) -> list[int]:
 def plan(layout: Layout, dtype: torch.dtype, *, asynchronous: bool, delayed: bool,
          pinned: bool, rule: Rule, moment_dtype: str = "fp32",
          accumulate: bool | None = False, on_device: int = 0,
-         host: list[int] | None = None) -> Sizes:
+         host: list[int] | None = None, own_master: bool = True) -> Sizes:
     """Sizes of ``HostBuffers`` built with the same arguments (see the module docstring;
     ``accumulate=None`` counts the run that does not accumulate) over the buckets ``host``, by
     default those on the host when ``on_device`` are on the device (``core.buckets.buckets``)."""
     host = on_host(layout, on_device) if host is None else host
     return plan_counts(held_numel(layout, host), [layout.buckets[b].shard for b in host], dtype,
                        asynchronous=asynchronous, delayed=delayed, pinned=pinned,
-                       rule=rule, moment_dtype=moment_dtype, accumulate=accumulate is True)
+                       rule=rule, moment_dtype=moment_dtype, accumulate=accumulate is True,
+                       own_master=own_master)
 
 
 def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.dtype, *,
                 asynchronous: bool, delayed: bool, pinned: bool, rule: Rule,
-                moment_dtype: str = "fp32", accumulate: bool = False) -> Sizes:
+                moment_dtype: str = "fp32", accumulate: bool = False,
+                own_master: bool = True) -> Sizes:
     """:func:`plan` from the numbers alone (also the planner's, for a model not built yet):
     this rank's elements per group and per bucket. ``"moments"`` is the rule's state with its
     scales, exactly as ``rule.zeros`` allocates it per group; ``"grad_fp32"`` the fp32
     gradient of every set (on an asynchronous device only when ``accumulate``: the run adds
     several backward passes per step); ``"staging"`` the half gradient staging of every set,
     which also carries the new weights to the device (the kernel writes them over the gradient
-    it consumed: no separate output buffer)."""
+    it consumed: no separate output buffer). ``own_master=False``: the master is FSDP2's host
+    shards (``CPUOffloadPolicy``), not the engine's."""
     n, elem = sum(group_shards), torch.empty((), dtype=dtype).element_size()
     sets = 2 if delayed else 1
     parts = {"master": 4 * n,
@@ -118,6 +121,8 @@ def plan_counts(group_shards: list[int], bucket_shards: list[int], dtype: torch.
              "grad_fp32": 4 * n * sets if accumulate or not asynchronous else 0}
     if pinned and dtype == torch.float32:  # "32-true" on CUDA: the master is the pinned source
         parts["master"] = sum(pinned_size(4 * k) for k in group_shards)
+    if not own_master:
+        parts["master"] = 0
     shard_bytes = [k * elem for k in bucket_shards]
     parts["staging"] = _arena_bytes(shard_bytes, pinned) * sets if asynchronous else 0
     return Sizes(parts)
@@ -173,10 +178,13 @@ def budget_at(layout: Layout, module: torch.nn.Module, trained: dict[int, str],
     def at(on_device: int, accumulate: bool | None) -> dict[str, int]:
         sizes = plan(layout, dtype, **{**kw, "accumulate": accumulate},  # type: ignore[arg-type]
                      on_device=on_device)
-        return engine_budget(sizes, layout, module, trained, dtype, cpu=cpu,
-                             delayed=bool(kw["delayed"]), on_device=on_device,
-                             rule=kw["rule"],  # type: ignore[arg-type]
-                             accumulate=accumulate).parts
+        parts = engine_budget(sizes, layout, module, trained, dtype, cpu=cpu,
+                              delayed=bool(kw["delayed"]), on_device=on_device,
+                              rule=kw["rule"],  # type: ignore[arg-type]
+                              accumulate=accumulate).parts
+        if kw.get("own_master") is False:  # FSDP2's host shards: the weights and the master
+            parts.pop("device_weights", None)
+        return parts
     return at
 
 

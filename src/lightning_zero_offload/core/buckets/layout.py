@@ -199,3 +199,18 @@ def untrained_bytes(module: nn.Module, trained: dict[int, str], dtype: torch.dty
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(t.numel() * (elem if t.is_floating_point() else t.element_size())
                for t in [*module.parameters(), *module.buffers()] if id(t) not in trained)
+
+
+def padding(layout: Layout, b: int) -> list[tuple[int, int]]:
+    """Padding ranges of bucket ``b`` (from its start), zeroed at each flush (not the buffer)."""
+    bucket = layout.buckets[b]
+    ranges, pos = [], 0
+    for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
+        s = layout.slots[i]
+        lo = s.offset - bucket.start
+        if lo > pos:
+            ranges.append((pos, lo))
+        pos = lo + s.numel
+    if pos < bucket.numel:
+        ranges.append((pos, bucket.numel))
+    return ranges

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_zero_offload.core.buckets.pieces import PiecesSlice
 from lightning_zero_offload.core.device.device import SyncDevice
 from lightning_zero_offload.core.rules.rule import Rule
-from lightning_zero_offload.ops.moments import Moments
+from lightning_zero_offload.ops.moments import BLOCK, Moments
 
 Run = tuple[int, int, int]  # (begin, end, step): a range of a bucket shard stepped as one call
 
@@ -46,6 +47,28 @@ class Shard(Protocol):
     def tensors(self) -> list[Tensor]: ...
 
     def free(self) -> None: ...
+
+
+def _step_in_place(rule: Rule, master: PiecesSlice, source: Tensor, moments: Moments,
+                   begin: int, end: int, kw: dict) -> None:
+    """The kernel over run ``[begin, end)``, one parameter of FSDP2's host shards (the runs are
+    cut at parameters): in place over the parameter's whole int8 moment blocks, the rest (its
+    last partial block and the layout's padding after it, which the moments' blocks cover)
+    through a buffer of less than a block."""
+    parts = master.pieces.views(master.lo + begin, master.lo + end)
+    assert len(parts) == 1 and parts[0][0] == 0, "a run of host shards spans one parameter"
+    view = parts[0][1]
+    n = view.numel()
+    cut = n - n % BLOCK if moments.moment_dtype == "int8" and end - begin > n else n
+    if cut:
+        rule.host_update(view[:cut], source[begin : begin + cut],
+                         moments.chunk(begin, cut), **kw)
+    if begin + cut < end:
+        tail = torch.zeros(end - begin - cut)
+        tail[: n - cut].copy_(view[cut:])
+        rule.host_update(tail, source[begin + cut : end], moments.chunk(begin + cut, tail.numel()),
+                         **kw)
+        view[cut:].copy_(tail[: n - cut])
 
 
 class HostArrays(Protocol):
@@ -82,6 +105,12 @@ class HostShard:
         """The rule's kernel over each run (the ranges between runs left as they are; their half
         weights in ``out``, which may hold stale ones, are the master's again)."""
         done, master, moments = 0, self.master, self._moments
+        if isinstance(master, PiecesSlice):  # FSDP2's host shards (CPUOffloadPolicy)
+            for begin, end, k in runs:
+                _step_in_place(rule, master, source, moments, begin, end,
+                               dict(hp=hp, step=k, grad_scale=grad_scale, out=None,
+                                    threads=threads, seed=seed))
+            return
         for begin, end, k in runs:
             self._untouched(out, master, done, begin)
             sl = slice(begin, end)
@@ -97,8 +126,9 @@ class HostShard:
             out[begin:end].copy_(master[begin:end])
 
     def export(self, kind: str) -> Tensor:
-        if kind == "master":
-            return self.master
+        if kind == "master":  # FSDP2's host shards (CPUOffloadPolicy): a flat copy
+            master = self.master
+            return master if isinstance(master, Tensor) else master.materialize()
         mom = self._moments
         return mom.arrays[kind] if mom.moment_dtype == "fp32" else self.export_state()[
             mom.names.index(kind)]

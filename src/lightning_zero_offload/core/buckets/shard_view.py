@@ -36,8 +36,9 @@ def saved_moment_dtype(buckets: Buckets) -> str:
 
 def group_master(buckets: Buckets, g: int) -> Tensor:
     """Group ``g``'s whole fp32 master shard on the host."""
-    if _host_only(buckets, g):
-        return _arrays(buckets).master[g]
+    master = _arrays(buckets).master[g]
+    if _host_only(buckets, g) and isinstance(master, Tensor):  # not FSDP2's host shards
+        return master
     return torch.cat([bk.shard.export("master") for bk in buckets.in_group(g)])
 
 
@@ -45,8 +46,9 @@ def group_pieces(buckets: Buckets, g: int, kind: str) -> Iterator[Tensor]:
     """Group ``g``'s whole shard of ``kind`` (``"master"`` or a state's name) as saved with a
     device part (fp32), in pieces made one at a time: the host's whole array where it is the
     whole group and fp32, else bucket by bucket, on the host."""
-    if _host_only(buckets, g) and (kind == "master" or buckets.moment_dtype == "fp32"):
-        arrays = _arrays(buckets)
+    arrays = _arrays(buckets)
+    if (_host_only(buckets, g) and isinstance(arrays.master[g], Tensor)
+            and (kind == "master" or buckets.moment_dtype == "fp32")):
         yield arrays.master[g] if kind == "master" else arrays.moments[g].arrays[kind]
         return
     for bucket in buckets.in_group(g):

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 
 FIELDS = ("fwd_bwd", "grad_wait", "cpu_step", "device_step", "weight_copy", "stall")
-SPANS = (*FIELDS, "grad_transfer")  # grad_transfer: per-bucket copies, drawn but not summed
+# Drawn but not summed: grad_transfer (per-bucket copies); with FSDP2's host weights
+# "unit_update:<u>" (unit u's host update, u in forward order) and "unit_wait:<u>" (its forward
+# waiting for it).
+SPANS = (*FIELDS, "grad_transfer", "unit_update", "unit_wait")
 
 
 @dataclass
@@ -69,7 +72,7 @@ class ProfileRecorder:
 
     def add(self, name: str, step: int, start: float, end: float) -> None:
         """Record a finished span (times from ``now()``) for optimizer step ``step``."""
-        if name not in SPANS:
+        if name.split(":")[0] not in SPANS:
             raise ValueError(f"unknown profile span {name!r}; expected one of {SPANS}")
         if not self.enabled:
             return

@@ -19,8 +19,7 @@ Supported: ``fully_shard`` per block and at the root, over a 1-D mesh or over th
 dimension carries ``parallelize_module``. Refused at setup, by name: FSDP1
 (``FullyShardedDataParallel``), HSDP (a replicated data-parallel dimension), ``fully_shard``
 over another dimension, a shard placement other than dim 0 (``shard_placement_fn``), parameters
-``fully_shard`` does not manage, and ``CPUOffloadPolicy`` where it shows (shards on the host
-while the model runs on an accelerator).
+``fully_shard`` does not manage. With ``CPUOffloadPolicy`` (:func:`host_config`) the host shards are the master.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
+from lightning_zero_offload.core.config import ZeroOffloadConfig
 from lightning_zero_offload.core.dist import tensor_parallel
 from lightning_zero_offload.core.dist.tensor_parallel import DP, TP, TensorParallel
 
@@ -184,14 +184,50 @@ def setup(module: nn.Module, device_mesh: Any, process_group: Any,
         if problem is not None:
             raise ValueError(f"ZeroOffload: {problem}")
         assert isinstance(p, DTensor)  # _placements_error says so otherwise
-        if device.type != "cpu" and p.to_local().device.type == "cpu":
-            raise ValueError(f"ZeroOffload: parameter {name!r} lives on the host while the model "
-                             f"runs on {device}: fully_shard(..., offload_policy="
-                             "CPUOffloadPolicy()) is not supported yet; drop the offload policy "
-                             "(ZeRO-Offload keeps the optimizer state on the host already)")
         if tp_size > 1 and (p.device_mesh.ndim == 1 or p.placements[1].is_replicate()):
             whole.add(id(p))  # the tensor-parallel ranks hold the same shard
         mesh = mesh if mesh is not None else p.device_mesh
     rank = dist.get_rank()
     side = Fsdp(mesh, mesh, tp_rank, dist.get_world_size(), whole, units=found)
     return side, dist.new_group([rank], use_local_synchronization=True)
+
+
+def host_config(side: TensorParallel | None, module: nn.Module, config: ZeroOffloadConfig,
+                device: torch.device) -> ZeroOffloadConfig:
+    """``config`` with ``offload_weights`` resolved: the ``fully_shard`` shards live on the host
+    (``CPUOffloadPolicy``) and are the fp32 master the host step updates in place. Read from
+    where the shards live on an accelerator; on the CPU compute device only ``True`` says so
+    (FSDP2 has no public getter for its offload policy). Refuses what cannot combine."""
+    want = config.offload_weights
+    if not isinstance(side, Fsdp):
+        if want:
+            raise ValueError("ZeroOffload: offload_weights=True needs a model fully_shard-ed "
+                             "with offload_policy=CPUOffloadPolicy() (FSDP2 keeps its weights "
+                             "on the host); shard it so, or leave offload_weights unset")
+        return config.replace(offload_weights=False)
+    shards = [p.to_local() for p in module.parameters() if isinstance(p, DTensor)]
+    on_host = all(t.device.type == "cpu" for t in shards)
+    if device.type != "cpu" and want is not None and want != on_host:
+        raise ValueError(
+            f"ZeroOffload: offload_weights={want} but the fully_shard shards live "
+            f"{'on the host' if on_host else 'on ' + str(device)}; "
+            + ("leave offload_weights unset (the host shards are the master)" if on_host else
+               "pass fully_shard(..., offload_policy=CPUOffloadPolicy()) to keep them on the "
+               "host, or leave offload_weights unset"))
+    host = on_host if device.type != "cpu" else bool(want)
+    if not host:
+        return config.replace(offload_weights=False)
+    wrong = next((t.dtype for t in shards if t.dtype != torch.float32), None)
+    if wrong is not None:
+        raise ValueError(f"ZeroOffload: with CPUOffloadPolicy the fully_shard shards are the fp32 "
+                         f"master, but they are {wrong}; keep the model in fp32 and compute in "
+                         "half precision through MixedPrecisionPolicy(param_dtype=...)")
+    if config.delayed_update:
+        raise ValueError("ZeroOffload: delayed_update does not combine with CPUOffloadPolicy's "
+                         "host weights (the host step overlaps the next forward exactly instead: "
+                         "overlap_host_step); set delayed_update=False")
+    if config.offload_fraction not in ("auto", 1, 1.0):
+        raise ValueError(f"ZeroOffload: offload_fraction={config.offload_fraction!r} does not "
+                         "combine with CPUOffloadPolicy's host weights (they and the whole "
+                         "optimizer state live on the host); leave it unset")
+    return config.replace(offload_weights=True, offload_fraction=1.0)

@@ -27,6 +27,7 @@ from lightning_zero_offload.core.device.profile import ProfileRecorder
 from lightning_zero_offload.core.dist import collectives
 from lightning_zero_offload.core.rules.rule import Rule
 from lightning_zero_offload.core.step.delayed import DelayedUpdate
+from lightning_zero_offload.core.step.overlap import OverlappedStep
 from lightning_zero_offload.core.step.scaler import DynamicLossScaler
 from lightning_zero_offload.core.step.update import DeviceUpdate, StepPlan, SyncUpdate
 from lightning_zero_offload.core.transfer.grads import Grads
@@ -51,7 +52,8 @@ class Stepper:
 
     def __init__(self, layout: Layout, buckets: Buckets, streamer: GradStreamer,
                  device_update: DeviceUpdate,
-                 sync: SyncUpdate, delayed: DelayedUpdate, config: ZeroOffloadConfig, *,
+                 sync: SyncUpdate | OverlappedStep, delayed: DelayedUpdate | OverlappedStep,
+                 config: ZeroOffloadConfig, *,
                  rule: Rule, rank: int, process_group: object | None,
                  device: torch.device, profile: ProfileRecorder) -> None:
         self.layout, self.buckets, self.streamer = layout, buckets, streamer
@@ -160,21 +162,24 @@ class Stepper:
 
     def _runs(self, bucket: Bucket, had: list[bool]) -> list[Run]:
         """``bucket``'s shard as kernel calls: maximal ranges of adjacent parameters that got
-        a gradient and share a step count (the whole shard, padding too, in the usual case)."""
+        a gradient and share a step count (the whole shard, padding too, in the usual case);
+        one per parameter where the master is FSDP2's host shards (``offload_weights``)."""
         runs: list[Run] = []
         adjacent = False
         pieces = bucket.pieces
+        per_param = bool(self.config.offload_weights)
         for piece in pieces:
             if not had[piece.slot]:
                 adjacent = False
                 continue
             step = self.param_steps[piece.slot]
-            if adjacent and runs[-1][2] == step:
+            if adjacent and runs[-1][2] == step and not per_param:
                 runs[-1] = (runs[-1][0], piece.end, step)
             else:
                 runs.append((piece.begin, piece.end, step))
             adjacent = True
-        if len(runs) == 1 and runs[0][:2] == (pieces[0].begin, pieces[-1].end):  # every piece
+        if (len(runs) == 1 and runs[0][:2] == (pieces[0].begin, pieces[-1].end)  # every piece
+                and not per_param):
             runs = [(0, bucket.numel, runs[0][2])]
         return runs
 

@@ -14,6 +14,7 @@ or are cast from the master.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,6 +89,22 @@ class HostUpdate:
         # the device buckets' gradients are DeviceUpdate's.
         plan.grads.consumed([sources[bk.b] for bk in host
                              if not self.staged_out or sources[bk.b].dtype == torch.float32])
+
+
+    def run_in_place(self, plan: StepPlan, step: int, order: list[int],
+                     done: Callable[[int], None], span: Callable[[int], str]) -> None:
+        """The kernel over the host buckets in ``order``, writing their masters only (FSDP2's
+        host shards under ``CPUOffloadPolicy``: FSDP2 copies the weights up itself); ``done(b)``
+        after each, its time recorded as profile span ``span(b)`` of ``step``
+        (``core.step.overlap``)."""
+        sources = plan.grads.sources
+        for b in order:
+            bucket, t0 = self.buckets[b], self.profile.now()
+            bucket.shard.step(plan.rule, sources[b], plan.hparams[bucket.group], plan.runs[b],
+                              plan.grad_scale, threads=self.threads, seed=self.seed)
+            self.profile.add(span(b), step, t0, self.profile.now())
+            done(b)
+        plan.grads.consumed([sources[b] for b in order])
 
 
 class SyncUpdate:

@@ -2,12 +2,13 @@
 
 FSDP2 owns the storage of each rank's local shards (its next all-gather reads them), so the
 engine cannot make the parameters view a flat buffer of its own (``core.transfer.weights``).
-Instead each optimizer group's flat range is a :class:`Pieces`: the shards of its parameters at
-their layout offsets. A push copies a bucket's shard into the pieces it covers; the device
-update writes them the same way. The shards are cast to the run's half precision once, through
-``module.to`` (FSDP2 re-pads them before the first forward), so the device holds 2 bytes per
-local parameter and nothing in fp32. Under delayed update the spare set is a flat buffer of the
-engine's, copied into the shards when it lands.
+Instead each optimizer group's flat range is a ``core.buckets.pieces.Pieces``: the shards of its
+parameters at their layout offsets. A push copies a bucket's shard into the pieces it covers;
+the device update writes them the same way. The shards are cast to the run's half precision
+once, through ``module.to`` (FSDP2 re-pads them before the first forward), so the device holds
+2 bytes per local parameter and nothing in fp32. Under delayed update the spare set is a flat
+buffer of the engine's, copied into the shards when it lands. With ``CPUOffloadPolicy`` the
+shards are the host master instead (:class:`HostShardWeights`).
 
 Before new weights are written, every unit is resharded (``FSDPModule.reshard()``): a forward
 without backward since the last step (an evaluation between ``backward`` and ``step``) leaves the
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero_offload.core.buckets.layout import Layout, frozen_params
+from lightning_zero_offload.core.buckets.pieces import Pieces
 from lightning_zero_offload.core.device.device import SyncDevice
 from lightning_zero_offload.core.device.profile import ProfileRecorder
 from lightning_zero_offload.core.dist.fsdp import units
@@ -29,46 +31,11 @@ from lightning_zero_offload.core.dist.tensor_parallel import local
 from lightning_zero_offload.core.transfer.weights import DeviceWeights, WeightPush
 
 
-class Pieces:
-    """A flat range ``[0, numel)`` made of separate tensors at given offsets (gaps between them
-    are the layout's alignment and hold nothing)."""
-
-    def __init__(self, numel: int, pieces: list[tuple[int, Tensor]]) -> None:
-        self.numel, self.pieces = numel, sorted(pieces, key=lambda p: p[0])
-        self.dtype = pieces[0][1].dtype if pieces else torch.float32
-
-    def __getitem__(self, where: slice) -> PiecesSlice:
-        lo, hi, _ = where.indices(self.numel)
-        return PiecesSlice(self, lo, hi)
-
-    def views(self, lo: int, hi: int) -> list[tuple[int, Tensor]]:
-        """``(offset from lo, view)`` of every piece part inside ``[lo, hi)``."""
-        out = []
-        for at, t in self.pieces:
-            a, z = max(lo, at), min(hi, at + t.numel())
-            if a < z:
-                out.append((a - lo, t[a - at : z - at]))
-        return out
-
-
-class PiecesSlice:
-    """``pieces[lo:hi]``, as far as the pushes and the device update use a slice: a target of
-    ``copy_``."""
-
-    def __init__(self, pieces: Pieces, lo: int, hi: int) -> None:
-        self.pieces, self.lo, self.hi = pieces, lo, hi
-
-    def copy_(self, src: Tensor, non_blocking: bool = False) -> PiecesSlice:
-        with torch.no_grad():
-            for at, view in self.pieces.views(self.lo, self.hi):
-                view.copy_(src[at : at + view.numel()], non_blocking=non_blocking)
-        return self
-
-
 class ShardWeights(DeviceWeights):
     """:class:`DeviceWeights` over FSDP2's local shards (no flat live buffer, no rebinding)."""
 
     flat = False  # the kernel cannot write a slice of the live weights directly
+    cast = True  # the shards take the run's half precision
 
     def __init__(self, layout: Layout, module: nn.Module, dtype: torch.dtype, dev: SyncDevice,
                  rank: int, trained: dict[int, str], delayed: bool,
@@ -79,8 +46,9 @@ class ShardWeights(DeviceWeights):
         self.frozen = {id(p): local(p).detach().to("cpu", copy=True)
                        for p in frozen_params(module, trained, dtype)}
         self.orig_dtypes = {id(t): t.dtype for t in [*module.parameters(), *module.buffers()]}
-        with torch.no_grad():
-            module.to(dtype=dtype)  # FSDP2 casts (and re-pads) the shards themselves
+        if self.cast:
+            with torch.no_grad():
+                module.to(dtype=dtype)  # FSDP2 casts (and re-pads) the shards themselves
         self._bind()
         self.spare = ([dev.zeros(k, dtype, "spare device weights") for k in layout.group_numel]
                       if delayed else None)
@@ -120,14 +88,14 @@ class ShardWeights(DeviceWeights):
 
     def push(self, step: int | None, target: list[Tensor]) -> WeightPush:
         if target is self.live:
-            self._reshard()
+            self.reshard()
         return super().push(step, target)
 
     def publish(self, buckets: list[int]) -> None:
-        self._reshard()  # the device part has just written the live shards
+        self.reshard()  # the device part has just written the live shards
         super().publish(buckets)
 
-    def _reshard(self) -> None:
+    def reshard(self) -> None:
         """No unit keeps gathered weights the shards' new values would not reach."""
         for unit in self.units:
             unit.reshard()  # type: ignore[operator]
@@ -135,7 +103,7 @@ class ShardWeights(DeviceWeights):
     def swap(self) -> None:
         """Step i's weights (the spare buffers) into the shards, on the compute stream."""
         assert self.spare is not None
-        self._reshard()
+        self.reshard()
         self.dev.compute_point()  # the copy reads what the push wrote: after its wait (land)
         for flat, pieces in zip(self.spare, self.live, strict=True):
             pieces[0 : pieces.numel].copy_(flat)
@@ -156,3 +124,23 @@ class ShardWeights(DeviceWeights):
         for w in self.spare or []:
             self.dev.free(w)
         self.live, self.spare = [], None
+
+
+class HostShardWeights(ShardWeights):
+    """FSDP2's host shards under ``CPUOffloadPolicy``: they are the fp32 master the host step
+    updates in place (``core.step.overlap``), and FSDP2 copies each unit up to the device when
+    it gathers it, in the compute dtype of its ``MixedPrecisionPolicy``. The engine keeps no
+    weights of its own: nothing is cast, pushed or restored."""
+
+    cast = False
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # FSDP2's host shards, counted as the master's
+
+    def push_all(self, sources: list) -> None:
+        """After a load: the shards hold it already; no unit keeps older gathered weights."""
+        self.reshard()
+
+    def restore(self, full_master: list[Tensor], device: torch.device | str | None = None) -> None:
+        """The shards hold the master already; frozen parameters were never rounded."""

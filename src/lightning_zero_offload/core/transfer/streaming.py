@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.core.buckets.buckets import Buckets
-from lightning_zero_offload.core.buckets.layout import Layout, Slot
+from lightning_zero_offload.core.buckets.layout import Layout, Slot, padding
 from lightning_zero_offload.core.device.device import Event, SyncDevice
 from lightning_zero_offload.core.device.profile import ProfileRecorder
 from lightning_zero_offload.core.dist import collectives, tensor_parallel
@@ -32,21 +32,6 @@ from lightning_zero_offload.core.transfer.ring import BucketRing
 def _sq_sum(shard: Tensor) -> Tensor:
     """fp32 sum of squares without a temporary of the shard's size (inf/NaN propagate)."""
     return torch.linalg.vector_norm(shard, dtype=torch.float32).square()
-
-
-def _gaps(layout: Layout, b: int) -> list[tuple[int, int]]:
-    """Padding ranges of bucket ``b`` (from its start), zeroed at each flush (not the buffer)."""
-    bucket = layout.buckets[b]
-    ranges, pos = [], 0
-    for i in sorted(bucket.slots, key=lambda i: layout.slots[i].offset):
-        s = layout.slots[i]
-        lo = s.offset - bucket.start
-        if lo > pos:
-            ranges.append((pos, lo))
-        pos = lo + s.numel
-    if pos < bucket.numel:
-        ranges.append((pos, bucket.numel))
-    return ranges
 
 
 class Pass(enum.Enum):
@@ -81,9 +66,10 @@ class GradStreamer:
         self.rank, self.group, self.profile = rank, process_group, profile
         self.world_size = layout.world_size
         self._pass = Pass.IDLE
+        self.before_grads: Callable[[], None] = lambda: None  # see wait_before_writes
         self.profile_step = 1  # the optimizer step these gradients are for
         nb = len(layout.buckets)
-        self._gaps = [_gaps(layout, b) for b in range(nb)]
+        self._gaps = [padding(layout, b) for b in range(nb)]
         self._bufs: list[Tensor | None] = [None] * nb
         self._written: list[set[int]] = [set() for _ in range(nb)]
         self._ready = [0] * nb
@@ -111,6 +97,11 @@ class GradStreamer:
             s.param.register_post_accumulate_grad_hook(_make_hook(self, i))
             for i, s in enumerate(layout.slots)
         ]
+
+    def wait_before_writes(self, wait: Callable[[], None]) -> None:
+        """``wait()`` runs before a pass writes the host buckets and before the step reads them:
+        a host update still reading them ends first (``core.step.overlap``)."""
+        self.before_grads = wait
 
     # -- the sync mode ---------------------------------------------------------------------------
     @property
@@ -163,6 +154,7 @@ class GradStreamer:
                 "(reentrant activation checkpointing?); use checkpoint(..., use_reentrant=False)"
             )
         if self._pass is not Pass.RUNNING:
+            self.before_grads()
             self._pass = Pass.RUNNING
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self._add_to_bucket(i, slot, grad)
@@ -354,6 +346,7 @@ class GradStreamer:
         so poisoned on the emulated device); buckets that got nothing are zeroed. Later calls
         before another flush return the same. ``next_step``: gradients arriving from here on
         are for that optimizer step (the profile's)."""
+        self.before_grads()
         if self._pass is Pass.RUNNING or any(s.param.grad is not None
                                              for s in self.layout.slots):
             self._flush_rest()  # those left by no_sync too (an accumulating flush allocates
