@@ -7,8 +7,13 @@ Under ``ZeroOffloadStrategy(data_parallel_size=..., tensor_parallel_size=...)`` 
 weights (in the run's half precision under bf16-mixed) and the engine keeps each rank's shards'
 fp32 master and optimizer state on the host, stepping them there.
 
+With --offload-weights each ``fully_shard`` call also passes FSDP2's ``CPUOffloadPolicy``
+(pinned only with CUDA): the fp32 shards live on the host and are the master, the engine steps
+them in place under the next forward, and the GPU holds only the units in flight. Under
+``ModelParallelStrategy`` FSDP2 does the same with torch's AdamW stepping after backward.
+
 On the CPU (2 processes, FSDP2 over both):
-    python examples/lightning_fsdp2.py --devices 2 --accelerator cpu
+    python examples/lightning_fsdp2.py --devices 2 --accelerator cpu [--offload-weights]
 On 8 GPUs: ``--devices 8 --precision bf16-mixed`` (or ``--tensor-parallel-size 2``: 4 x 2).
 
 Refused at setup, naming what to change (ZeroOffloadStrategy):
@@ -17,8 +22,9 @@ Refused at setup, naming what to change (ZeroOffloadStrategy):
   - HSDP (``fully_shard`` over a mesh with a replicated dimension), ``fully_shard`` over the
     "tensor_parallel" dimension, a ``shard_placement_fn`` other than dim 0, parameters that no
     ``fully_shard`` call manages (shard the root too).
-  - ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` on a GPU: the optimizer state is on
-    the host already; drop the policy.
+  - With ``CPUOffloadPolicy``: bf16 shards (the host shards stay fp32; under bf16-mixed FSDP2
+    computes in bf16 by a ``MixedPrecisionPolicy``, as this recipe passes), ``delayed_update``,
+    an ``offload_fraction`` below 1.
   - A ``MixedPrecisionPolicy`` whose ``param_dtype`` disagrees with ``--precision`` (first step).
   - ``--precision`` bf16-true, 16-true or 64-true (use bf16-mixed / 16-mixed / 32-true);
     ``gradient_clip_algorithm="value"``; more than one optimizer.
@@ -43,18 +49,34 @@ from lightning_zero_offload import ZeroOffloadStrategy
 
 
 class ShardedLlama(Llama):
+    def __init__(self, offload_weights: bool = False, half: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.offload_weights, self.half = offload_weights, half
+
     def configure_model(self) -> None:
-        """Tensor parallelism (when asked), then FSDP2 per block and at the root."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        """Tensor parallelism (when asked), then FSDP2 per block and at the root (with the
+        weights on the host when asked)."""
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
 
         mesh = self.device_mesh  # the strategy's 2-D mesh
         if isinstance(self, FSDPModule) or mesh is None:  # runs again for validate/test
             return
         if mesh["tensor_parallel"].size() > 1:
             super().configure_model()
+        kw: dict = {"mesh": mesh["data_parallel"]}
+        if self.offload_weights:  # pinning needs CUDA
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            # the host shards stay fp32 (the master): FSDP2 casts each unit it gathers
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.half,
+                                                   reduce_dtype=torch.float32)
         for layer in self.layers:
-            fully_shard(layer, mesh=mesh["data_parallel"])
-        fully_shard(self, mesh=mesh["data_parallel"])
+            fully_shard(layer, **kw)
+        fully_shard(self, **kw)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="micro-batches per optimizer step (default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=4,
                     help="per data-parallel replica and micro-batch (default: %(default)s)")
+    ap.add_argument("--offload-weights", action="store_true",
+                    help="fully_shard with CPUOffloadPolicy: the weights live on the host")
     args = ap.parse_args(argv)
     if min(args.devices, args.tensor_parallel_size, args.max_steps, args.accumulate,
            args.batch_size) < 1 or args.devices % args.tensor_parallel_size:
@@ -84,17 +108,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(0)  # the same initial weights on every rank: fully_shard cuts them
     replicas = args.devices // args.tensor_parallel_size
-    kind = ZeroOffloadStrategy if args.strategy == "zero_offload" else ModelParallelStrategy
-    strategy = kind(data_parallel_size=replicas, tensor_parallel_size=args.tensor_parallel_size)
+    sizes = {"data_parallel_size": replicas, "tensor_parallel_size": args.tensor_parallel_size}
+    ours = args.strategy == "zero_offload"
+    # offload: on a GPU the engine sees where the shards live, on the CPU it is told
+    strategy = (ZeroOffloadStrategy(**sizes, offload_weights=args.offload_weights or None)
+                if ours else ModelParallelStrategy(**sizes))
     data = Bytes(samples=args.max_steps * args.accumulate * args.batch_size * replicas)
     # ModelParallelStrategy clips with torch's clip_grad_norm_, which fails over two meshes
     # (FSDP2 x tensor parallelism: "All operands in aten.stack.default must have the same mesh")
-    clip = None if kind is ModelParallelStrategy and args.tensor_parallel_size > 1 else 1.0
+    clip = None if not ours and args.tensor_parallel_size > 1 else 1.0
     trainer = Trainer(strategy=strategy, devices=args.devices, accelerator=args.accelerator,
                       precision=args.precision, max_steps=args.max_steps, max_epochs=1,
                       accumulate_grad_batches=args.accumulate, gradient_clip_val=clip,
                       logger=False, enable_checkpointing=False, log_every_n_steps=5)
-    trainer.fit(ShardedLlama(), DataLoader(data, batch_size=args.batch_size, shuffle=True))
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(args.precision.split("-")[0])
+    trainer.fit(ShardedLlama(args.offload_weights, half), loader)
     if trainer.is_global_zero:
         print(f"final loss {trainer.callback_metrics['loss'].item():.4f}")
 

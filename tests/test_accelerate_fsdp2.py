@@ -225,7 +225,6 @@ def test_save_state_and_load_state_resume_bit_for_bit(tmp_path) -> None:
 
 @pytest.mark.parametrize("plugin_kw, match", [
     ({"fsdp_version": 1}, "not FSDP1"),
-    ({"cpu_offload": True}, "fsdp_offload_params"),
 ])
 def test_what_cannot_combine_is_refused_by_name(plugin_kw: dict, match: str) -> None:
     from lightning_zero_offload.accelerate import ZeroOffloadPlugin

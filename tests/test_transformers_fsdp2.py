@@ -171,24 +171,3 @@ def test_resume_from_checkpoint_equals_straight_run(tmp_path) -> None:
         assert resumed == losses  # the first 3 come from the checkpoint's log history
     assert (tmp_path / "a" / "checkpoint-3" / "zero_offload").is_dir()
 
-
-def _offload_params(rank: int, world: int, out: str) -> str:
-    from test_transformers import _args, _Data, _model
-
-    from lightning_zero_offload.transformers import ZeroOffloadTrainer, ZeroOffloadTrainingArguments
-
-    os.environ["ACCELERATE_USE_CPU"] = "true"
-    config = {**FSDP2, "fsdp": "full_shard offload"}
-    trainer = _as_on_a_gpu(ZeroOffloadTrainer)(
-        model=_model(), train_dataset=_Data(),
-        args=_args(out, ZeroOffloadTrainingArguments, zero_offload=True, **config))
-    with pytest.raises(ValueError, match="fsdp_offload_params") as e:
-        trainer.train()
-    return str(e.value)
-
-
-@pytest.mark.slow
-def test_the_trainers_fsdp2_offload_params_is_refused(tmp_path) -> None:
-    from _dist import run_ranks
-
-    run_ranks(_offload_params, 1, str(tmp_path))

@@ -29,11 +29,13 @@ With Accelerate's FSDP2 (``fsdp_version: 2``) Accelerate shards the model in ``p
 usual and the engine is built over it (``lightning_zero_offload.accelerate_fsdp2``): FSDP2 keeps
 each rank's weight shards on the device in the run's half precision, the engine their fp32
 master and optimizer state on the host; ``save_state``/``load_state`` work as without FSDP.
+With ``fsdp_offload_params`` FSDP2's fp32 shards live on the host and the engine steps them in
+place, under the next forward.
 
-Not supported with the flag on (each raises): DeepSpeed, FSDP1, FSDP2's ``fsdp_offload_params``
-(``CPUOffloadPolicy``) and HSDP, Megatron-LM, XLA, tensor/context parallelism, ``torch.compile``
-through Accelerate, fp8, more than one engine model per plugin, ``accelerator.clip_grad_value_``
-on the engine's parameters, ``accelerator.backward`` with keyword arguments.
+Not supported with the flag on (each raises): DeepSpeed, FSDP1, FSDP2's HSDP, Megatron-LM, XLA,
+tensor/context parallelism, ``torch.compile`` through Accelerate, fp8, more than one engine model
+per plugin, ``accelerator.clip_grad_value_`` on the engine's parameters, ``accelerator.backward``
+with keyword arguments.
 """
 
 from __future__ import annotations
@@ -240,6 +242,7 @@ class ZeroOffloadPlugin:
         if device.type == "cpu":
             device = torch.device("cpu")  # MULTI_CPU reports "cpu:0"; the host has one device
         if accelerator.is_fsdp2:
+            config = accelerate_fsdp2.engine_config(accelerator, config)
             model, optimizer = accelerate_fsdp2.shard(accelerator, model, optimizer)
         engine = ZeroOffload(model, optimizer, config, device=device)
         module = engine.module

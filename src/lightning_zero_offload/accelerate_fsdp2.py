@@ -5,8 +5,10 @@ FSDP2 (``fully_shard`` per block by its auto-wrap policy, then the root, with th
 ``MixedPrecisionPolicy`` of ``mixed_precision``; the optimizer switched to the sharded
 parameters) and builds the engine over them (``core.dist.fsdp``): FSDP2 keeps each rank's weight
 shards on the device in the run's half precision, the engine their fp32 master and the optimizer
-state on the host. Refused before anything is sharded, by name: FSDP1, ``fsdp_offload_params``
-(``CPUOffloadPolicy``) and HSDP.
+state on the host. With ``fsdp_offload_params`` (FSDP2's ``CPUOffloadPolicy``) the shards live on
+the host in fp32 and are the master: the engine steps them in place (``offload_weights``, set
+from the plugin by :func:`engine_config`). Refused before anything is sharded, by name: FSDP1
+and HSDP.
 
 Checkpoints: Accelerate's FSDP branches of ``save_state``/``load_state`` write the model and the
 optimizer through torch's distributed checkpoint, which steps an optimizer that holds no state
@@ -16,6 +18,7 @@ buffers, optimizer state), so those branches do not see the engine's model and o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,25 +26,38 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lightning_zero_offload.core import ZeroOffloadConfig
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
 def check(accelerator: Accelerator) -> None:
     """What the engine cannot run with Accelerate's FSDP, refused before anything is sharded."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
     if not accelerator.is_fsdp2:
         raise ValueError("ZeRO-Offload combines with FSDP2, not FSDP1 (FullyShardedDataParallel): "
                          "set fsdp_version: 2 in the FSDP config, or launch without ZERO_OFFLOAD=1")
-    if isinstance(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy):
-        raise ValueError("ZeRO-Offload does not support FSDP2's fsdp_offload_params "
-                         "(CPUOffloadPolicy) yet: set fsdp_offload_params: false (the fp32 master "
-                         "weights and the optimizer state are on the host already)")
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is not None and pc.dp_replicate_enabled:
         raise ValueError(f"ZeRO-Offload does not support HSDP (parallelism_config dp_replicate_"
                          f"size={pc.dp_replicate_size}): shard over one data-parallel dimension")
+
+
+def engine_config(accelerator: Accelerator, config: ZeroOffloadConfig) -> ZeroOffloadConfig:
+    """``config`` with ``offload_weights`` as Accelerate's plugin says: True with
+    ``fsdp_offload_params`` (the engine cannot read FSDP2's policy back, and on a CPU compute
+    device the shards' place does not tell it), else as ``config`` has it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    offload = isinstance(getattr(accelerator.state.fsdp_plugin, "cpu_offload", None),
+                         CPUOffloadPolicy)
+    if not offload or config.offload_weights:
+        return config
+    if config.offload_weights is False:
+        raise ValueError("ZeRO-Offload: offload_weights=False contradicts FSDP2's "
+                         "fsdp_offload_params (CPUOffloadPolicy: the weights live on the host); "
+                         "drop one of them")
+    return dataclasses.replace(config, offload_weights=True)
 
 
 def shard(accelerator: Accelerator, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -6,6 +6,9 @@ parallelizes itself over ``self.device_mesh["tensor_parallel"]``) runs here unch
 The Trainer strategy hands its mesh to the LightningModule the way ``ModelParallelStrategy``
 does (:func:`hand_over`), so ``configure_model`` may also ``fully_shard`` over
 ``self.device_mesh["data_parallel"]`` (FSDP2; the engine then steps each rank's local shards).
+With ``offload_policy=CPUOffloadPolicy()`` the shards live on the host and the engine steps them
+in place; on a GPU it sees that from where they live, on the CPU the strategy's config says
+``offload_weights=True``.
 
 "auto" differs in one place: with both sizes "auto" the run stays data-parallel only (tensor
 parallel size 1), as the strategy always was; with one size given, "auto" is the rest of the

@@ -12,8 +12,9 @@ backward, ``max_grad_norm`` clipping and the logged ``grad_norm`` go through the
 engine. Precision follows ``bf16``/``fp16`` (neither: fp32). Checkpoints keep the Trainer's layout
 plus a ``zero_offload/`` folder with one optimizer shard per rank; ``save_model`` writes the fp32
 master weights. With the Trainer's FSDP2 (``fsdp="full_shard"``, ``fsdp_config`` with
-``fsdp_version`` 2) Accelerate shards the model as usual and the engine steps each rank's shards.
-Not supported (each raises): DeepSpeed, FSDP1, FSDP2's ``offload``, several GPUs in one process
+``fsdp_version`` 2) Accelerate shards the model as usual and the engine steps each rank's shards;
+with ``fsdp="full_shard offload"`` the shards live on the host and the engine steps them in place.
+Not supported (each raises): DeepSpeed, FSDP1, several GPUs in one process
 (``DataParallel``), optimizers the engine has no rule for, ``max_grad_norm`` inside the
 ZeRO-Offload options (use ``TrainingArguments.max_grad_norm``), resuming a checkpoint saved
 without ZeRO-Offload.
