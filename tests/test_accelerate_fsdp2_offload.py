@@ -24,8 +24,6 @@ import test_transformers_fsdp2 as trainer  # noqa: E402
 from _accelerate_state import reset_accelerate  # noqa: E402
 from test_accelerate import _clean_state  # noqa: E402, F401  (autouse: no ZERO_OFFLOAD*, Accelerate reset)
 
-pytestmark = pytest.mark.slow  # gloo processes
-
 
 def _unpinned(as_on_a_gpu):
     """``as_on_a_gpu`` whose plugin keeps its host shards unpinned (no CUDA here)."""
@@ -65,6 +63,7 @@ def _all(rank: int, world: int, out: str) -> dict:
     return {**results, "master_bytes": built}
 
 
+@pytest.mark.slow  # gloo processes
 def test_offload_params_equal_accelerate_and_the_trainers_fsdp2_with_torch_adamw(tmp_path):
     from _dist import run_ranks
     from _helpers import total_rel_err
@@ -86,3 +85,18 @@ def test_offload_params_equal_accelerate_and_the_trainers_fsdp2_with_torch_adamw
         assert got["history"][0] == pytest.approx(want["history"][0], rel=1e-5)  # losses
         assert got["history"][1] == pytest.approx(want["history"][1], rel=1e-5)  # grad norms
         assert max(want["history"][1]) > 0.5  # the Trainer's max_grad_norm clipped
+
+
+def test_offload_weights_false_with_offload_params_is_refused() -> None:
+    import torch
+    from _tiny_llama import make
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from lightning_zero_offload import ZeroOffloadConfig
+    from lightning_zero_offload.accelerate import ZeroOffloadPlugin
+
+    accelerator = accel._fsdp2_accelerator("no", cpu_offload=CPUOffloadPolicy(pin_memory=False))
+    model = make(0)
+    plugin = ZeroOffloadPlugin(enabled=True, config=ZeroOffloadConfig(offload_weights=False))
+    with pytest.raises(ValueError, match="offload_weights=False contradicts.*fsdp_offload_params"):
+        plugin.prepare(accelerator, model, torch.optim.AdamW(model.parameters()))
