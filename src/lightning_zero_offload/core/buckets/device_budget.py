@@ -60,11 +60,11 @@ def parts(*, trained: int, max_bucket: int, max_shard: int, world_size: int, res
 
 
 def engine_parts(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
-                 accumulate: bool, rule: Rule) -> dict[str, int]:
+                 accumulate: bool, rule: Rule, host_weights: bool = False) -> dict[str, int]:
     """:func:`parts` of an engine over ``layout`` with its last ``on_device`` buckets' state on
-    the device."""
+    the device; ``host_weights``: the weights live on the host (FSDP2's ``CPUOffloadPolicy``)."""
     buckets = layout.buckets
-    return parts(trained=sum(layout.group_numel),
+    return parts(trained=0 if host_weights else sum(layout.group_numel),
                  max_bucket=max((b.numel for b in buckets), default=0),
                  max_shard=max((b.shard for b in buckets), default=0),
                  world_size=layout.world_size,
@@ -81,12 +81,13 @@ def state_bytes(layout: Layout, on_device: int, dtype: torch.dtype, accumulate: 
 
 
 def fixed_count(layout: Layout, fraction: float, dtype: torch.dtype, *, delayed: bool,
-                accumulate: bool, free: int | None, rule: Rule) -> int:
+                accumulate: bool, free: int | None, rule: Rule, host_weights: bool = False) -> int:
     """The device buckets of a fixed ``offload_fraction`` (``placement.count_for``): the split
     nearest to it whose engine device bytes fit in ``free`` (None: no memory of its own)."""
     def fits(n: int) -> bool:
         return free is None or sum(engine_parts(
-            layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule).values()) <= free
+            layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule,
+            host_weights=host_weights).values()) <= free
     return device_count(layout, fraction, fits)
 
 
@@ -96,7 +97,7 @@ def _listed(p: dict[str, int]) -> str:
 
 def check_fixed(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: bool,
                 accumulate: bool, free: int | None, capacity: int | None, headroom: float,
-                fraction: float, rank: int, rule: Rule) -> None:
+                fraction: float, rank: int, rule: Rule, host_weights: bool = False) -> None:
     """Setup, before any allocation, a fixed ``offload_fraction``: everything the engine will
     allocate on the device fits in its ``free`` bytes (None: no memory of its own), else
     MemoryError naming the smallest fraction that does; a device part that leaves less than
@@ -105,7 +106,8 @@ def check_fixed(layout: Layout, on_device: int, dtype: torch.dtype, *, delayed: 
         return
 
     def at(n: int) -> dict[str, int]:
-        return engine_parts(layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule)
+        return engine_parts(layout, n, dtype, delayed=delayed, accumulate=accumulate, rule=rule,
+                            host_weights=host_weights)
     total = sum(at(on_device).values())
     if total > free:
         fits = next((n for n in range(on_device, -1, -1) if sum(at(n).values()) <= free), None)

@@ -49,6 +49,7 @@ class DevicePart:
         self.accumulate, self._budget = config.accumulate, budget
         self._check_host = config.check_host_memory
         self._delayed = config.delayed_update
+        self._host_weights = bool(config.offload_weights)  # FSDP2's shards: none on the device
         self.count = 0
         # This rank's host bytes per part: owned and written here only (set by agree(), the
         # auto move and a lazy fp32 gradient), read by the engine and the host-memory checks.
@@ -84,13 +85,13 @@ class DevicePart:
         if self.fraction != "auto":
             n = device_budget.fixed_count(
                 self.layout, float(self.fraction), self.dtype, delayed=self._delayed,
-                accumulate=accumulate, free=free, rule=self.rule)
+                accumulate=accumulate, free=free, rule=self.rule, host_weights=self._host_weights)
             memory = self.dev.memory()
             device_budget.check_fixed(
                 self.layout, n, self.dtype, delayed=self._delayed, accumulate=accumulate,
                 free=free, capacity=None if memory is None else memory[1],
                 headroom=self.headroom, fraction=float(self.fraction), rank=self.rank,
-                rule=self.rule)
+                rule=self.rule, host_weights=self._host_weights)
         elif free is None or host_fits(0):
             n = 0
         else:  # the fewest trailing buckets whose host part fits (host bytes fall with n)
