@@ -3,7 +3,8 @@
 # no network): build the kernel, run the CUDA tests, the compact-moment step on the host's cores,
 # partial offload (benchmarks/partial_offload_gpu.py: tokens/s at offload_fraction 1.0, 0.5, 0.0
 # and "auto" beside the GPU-resident baseline), FSDP2 (benchmarks/fsdp2_gpu.py under torchrun, one
-# process per GPU over NCCL: the engine under fully_shard against FSDP2 + fused torch AdamW), then
+# process per GPU over NCCL: the engine under fully_shard against FSDP2 + fused torch AdamW, and
+# with the weights on the host, CPUOffloadPolicy, the host step overlapped and not), then
 # benchmarks/gpu_e2e.py, all inside 8 minutes (each part has a time limit; gpu_e2e gets whatever
 # time is left). Everything lands in $OUT: device_check.log, pytest_cuda.xml,
 # cpu_adam_moments.json, partial_offload_gpu.json/.md, fsdp2_gpu.json/.md, gpu_e2e.json,
@@ -36,7 +37,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export LZO_KERNEL=cpp  # the C++ kernel or a loud failure
 if ((REHEARSE)); then
     TOTAL_S="${TOTAL_S:-310}" BUILD_S="${BUILD_S:-150}" TESTS_S="${TESTS_S:-90}" \
-        MOMENTS_S="${MOMENTS_S:-45}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-90}"
+        MOMENTS_S="${MOMENTS_S:-45}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-120}"
     # (each can be raised when busy)
     MOMENTS=(--sizes 1M --parts d --threads 1 --repeats 2)
     PARTIAL=(--rehearse)  # the tiny GPT, each engine on the emulated device with a 1 GiB capacity
@@ -46,7 +47,7 @@ if ((REHEARSE)); then
     export LZO_DEVICE_CHECK=rehearse LZO_EMULATED_DEVICE_SEED="${LZO_EMULATED_DEVICE_SEED:-1}"
 else
     TOTAL_S="${TOTAL_S:-470}" BUILD_S="${BUILD_S:-100}" TESTS_S="${TESTS_S:-120}" \
-        MOMENTS_S="${MOMENTS_S:-75}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-90}"
+        MOMENTS_S="${MOMENTS_S:-75}" PARTIAL_S="${PARTIAL_S:-90}" FSDP2_S="${FSDP2_S:-150}"
     # (8 minutes less a margin)
     MOMENTS=(--sizes 50M --parts d --threads 1,8,16 --repeats 5)
     PARTIAL=()  # GPT 350m, batch 8 x 1024
@@ -106,6 +107,8 @@ check "partial offload" timeout "$PARTIAL_S" $PY benchmarks/partial_offload_gpu.
     --out "$OUT" --budget-s "$((PARTIAL_S - 10))"
 
 # Issue 46: FSDP2 (fully_shard) shards the weights, the engine steps each rank's shards.
+# Issue 47: the same with the weights on the host (CPUOffloadPolicy: pinned on CUDA, not in the
+# rehearsal), the engine stepping FSDP2's host shards, overlapped and unoverlapped.
 step "FSDP2, $FSDP2_PROCS process(es) (limit $FSDP2_S s)"
 check "fsdp2" timeout "$FSDP2_S" $PY -m torch.distributed.run --standalone \
     --nproc_per_node "$FSDP2_PROCS" benchmarks/fsdp2_gpu.py "${FSDP2[@]}" --out "$OUT" \

@@ -10,12 +10,20 @@ on its GPU (``fsdp2_cpu.sharded_gpt``), and trains each peer in turn on the same
   ``torch.optim.AdamW(fused=True)`` and its state on the GPU, ``clip_grad_norm_`` 1.0;
 - ``zero_offload``: ``ZeroOffload(precision="bf16-mixed", offload_fraction=1.0,
   max_grad_norm=1.0)``: bf16 shards on the GPU, the master and moments on the host (the host's
-  cores shared among the ranks: ``cpu_threads`` = cores / N).
+  cores shared among the ranks: ``cpu_threads`` = cores / N);
+- ``host_weights`` (issue 47): the weights on the host, ``fully_shard(...,
+  offload_policy=CPUOffloadPolicy())`` (pinned; the rehearsal does not pin) with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)``, built by
+  ``fsdp2_offload_cpu.offloaded_gpt``: ``ZeroOffload(offload_weights=True)`` steps FSDP2's fp32
+  host shards in place, the host step under the next forward; ``host_weights_unoverlapped``: the
+  same with ``overlap_host_step=False``. The GPU holds the units in flight, no weights.
 
-Per peer: tokens/s (all ranks) and its ratio to ``torch_fused``; ``torch.cuda.memory_allocated``
-after setup and ``torch.cuda.max_memory_allocated`` over the run (the largest rank's). Beside
-them the planner's FSDP2 count (``plan(..., fsdp=True, fsdp_unit_params=one block)``): the sharded
-bf16 weights, FSDP2's two units in flight, the engine's own buffers (activations not counted).
+Per peer: tokens/s (all ranks; the overlapped update waited for inside the timed span) and its
+ratio to ``torch_fused``; ``torch.cuda.memory_allocated`` after setup and
+``torch.cuda.max_memory_allocated`` over the run (the largest rank's). Beside them the planner's
+FSDP2 count (``plan(..., fsdp=True, fsdp_unit_params=one block)``): the sharded bf16 weights,
+FSDP2's two units in flight, the engine's own buffers (activations not counted), and the same
+with ``offload_weights=True`` (no weights on the device).
 
 ``--rehearse`` (CI, ``device_check.sh --rehearse``): the same on the CPU with gloo, a tiny GPT,
 the engine on the emulated asynchronous device; its "device" bytes are then the emulated device's
@@ -41,8 +49,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _gpt import gpt_config, random_batch  # noqa: E402
 from fsdp2_cpu import _groups, sharded_gpt  # noqa: E402
+from fsdp2_offload_cpu import offloaded_gpt  # noqa: E402
 
-PEERS = ("torch_fused", "zero_offload")
+PEERS = ("torch_fused", "zero_offload", "host_weights", "host_weights_unoverlapped")
 FIGURES = ("tokens_per_s", "setup_mib", "peak_mib")
 MIB = 2**20
 
@@ -74,13 +83,18 @@ def run_peer(peer: str, cfg, device: torch.device, args: argparse.Namespace) -> 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     x, y = random_batch(cfg, args.batch, device=device, seed=dist.get_rank())
-    with _emulated(not cuda and peer == "zero_offload") as made:
-        if peer == "zero_offload":
-            model = sharded_gpt(cfg, world, device=str(device))
+    engine = None
+    with _emulated(not cuda and peer != "torch_fused") as made:
+        if peer != "torch_fused":
+            host = peer.startswith("host_weights")
+            model = (offloaded_gpt(cfg, world, torch.bfloat16, mesh_device=device.type,
+                                   pin_memory=cuda) if host
+                     else sharded_gpt(cfg, world, device=str(device)))
+            kw = ({"offload_weights": True, "overlap_host_step": peer == "host_weights"}
+                  if host else {"offload_fraction": 1.0})
             engine = ZeroOffload(model, torch.optim.AdamW(_groups(model), lr=1e-4),
-                                 device=device, precision="bf16-mixed", offload_fraction=1.0,
-                                 max_grad_norm=1.0, cpu_threads=max(
-                                     1, len(os.sched_getaffinity(0)) // world))
+                                 device=device, precision="bf16-mixed", max_grad_norm=1.0,
+                                 cpu_threads=max(1, len(os.sched_getaffinity(0)) // world), **kw)
 
             def step() -> None:
                 engine.backward(model(x, y))
@@ -105,14 +119,15 @@ def run_peer(peer: str, cfg, device: torch.device, args: argparse.Namespace) -> 
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
+        if engine is not None:
+            engine.synchronize()  # the overlapped host step's last update counts too
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
         dt = (time.perf_counter() - t0) / args.steps
         peak = torch.cuda.max_memory_allocated(device) if cuda else (
             made[0].peak_bytes if made else 0)
-        if peer == "zero_offload":
-            engine.synchronize()
+        if engine is not None:
             host = engine.host_bytes
             engine.teardown(copy_weights_to_module=False)
         else:
@@ -126,12 +141,16 @@ def planned(cfg, world: int) -> dict:  # noqa: ANN001
     from lightning_zero_offload.planner import plan
 
     d = cfg.d_model
-    p = plan(cfg.n_params, world_size=world, fsdp=True, precision="bf16-mixed",
-             offload_fraction=1.0, fsdp_unit_params=12 * d * d + 13 * d, measure=False)
+    kw = dict(world_size=world, fsdp=True, precision="bf16-mixed", offload_fraction=1.0,
+              fsdp_unit_params=12 * d * d + 13 * d, measure=False)
+    p = plan(cfg.n_params, **kw)
+    h = plan(cfg.n_params, **kw, offload_weights=True)
     return {"weights_mib": p.device_weight_bytes / MIB,
             "all_gather_mib": p.fsdp_all_gather_bytes / MIB,
             "engine_mib": p.device_engine_bytes / MIB, "device_mib": p.device_bytes / MIB,
-            "host_mib_per_rank": p.host_bytes_per_rank / MIB}
+            "host_mib_per_rank": p.host_bytes_per_rank / MIB,
+            "host_weights_device_mib": h.device_bytes / MIB,
+            "host_weights_host_mib_per_rank": h.host_bytes_per_rank / MIB}
 
 
 def failures(res: dict) -> list[str]:
@@ -151,7 +170,9 @@ def markdown(res: dict) -> str:
              f"({res['params'] / 1e6:.0f}M parameters), batch {c['batch']} x {c['seq']}, "
              f"bf16: planner per rank {pl['weights_mib']:.0f} MiB shards + "
              f"{pl['all_gather_mib']:.0f} MiB all-gather + {pl['engine_mib']:.0f} MiB engine = "
-             f"{pl['device_mib']:.0f} MiB (activations not counted)", "",
+             f"{pl['device_mib']:.0f} MiB (activations not counted); with host weights "
+             f"{pl['host_weights_device_mib']:.0f} MiB on the device, "
+             f"{pl['host_weights_host_mib_per_rank']:.0f} MiB on the host per rank", "",
              "| peer | tokens/s | x torch_fused | device MiB after setup | max allocated MiB | "
              "engine host MiB |", "|---|---|---|---|---|---|"]
     base = res["peers"].get("torch_fused", {}).get("tokens_per_s")
@@ -163,6 +184,11 @@ def markdown(res: dict) -> str:
         ratio = f"{r['tokens_per_s'] / base:.3f}" if base else "-"
         lines.append(f"| {peer} | {r['tokens_per_s']:.0f} | {ratio} | {r['setup_mib']:.0f} | "
                      f"{r['peak_mib']:.0f} | {r['engine_host_mib']:.0f} |")
+    tps = {p: res["peers"].get(p, {}).get("tokens_per_s") for p in PEERS}
+    if tps["host_weights"] and tps["host_weights_unoverlapped"] and tps["zero_offload"]:
+        lines += ["", f"host weights: overlapped / unoverlapped "
+                  f"{tps['host_weights'] / tps['host_weights_unoverlapped']:.3f}, "
+                  f"host / GPU-resident weights {tps['host_weights'] / tps['zero_offload']:.3f}"]
     return "\n".join(lines)
 
 
