@@ -191,7 +191,8 @@ def stepper(w: Where, dev: SyncDevice, buckets: Buckets, grads: GradStreamer,
             ) -> tuple[CpuStepWorker | None, DelayedUpdate | OverlappedStep, Stepper]:
     """Stage 6: the worker (delayed update or pinned cores), the updates and the step."""
     c = w.config
-    cores, threads = c.cpu_affinity, step_threads(c, w.layout.world_size, w.device)
+    ranks = w.tp.size if isinstance(w.tp, Fsdp) else w.layout.world_size  # FSDP2: every process
+    cores, threads = c.cpu_affinity, step_threads(c, ranks, w.device)
     overlap = bool(c.offload_weights and c.overlap_host_step)
     worker = CpuStepWorker(cores, w.device) if c.delayed_update or cores or overlap else None
     update = HostUpdate(w.layout, buckets, threads=threads, seed=c.moment_seed,

@@ -63,8 +63,9 @@ def step_threads(config: ZeroOffloadConfig, world_size: int, device: torch.devic
     """The kernel's threads: ``cpu_threads``, else one per ``cpu_affinity`` core, else
     :func:`default_threads`."""
     cores = config.cpu_affinity
+    overlapped = config.delayed_update or bool(config.offload_weights and config.overlap_host_step)
     return config.cpu_threads or (len(cores) if cores else default_threads(
-        world_size, device, config.delayed_update))
+        world_size, device, overlapped))
 
 
 def default_threads(world_size: int, device: torch.device, delayed: bool) -> int:
@@ -72,7 +73,8 @@ def default_threads(world_size: int, device: torch.device, delayed: bool) -> int
     which torchrun's OMP_NUM_THREADS=1 makes 1) shared among the ranks on this node
     (``LOCAL_WORLD_SIZE``, else one rank per visible GPU, else every rank here). With delayed
     update one core stays free for the thread that drives the device (it launches kernels and
-    drains gradient transfers while the CPU step runs)."""
+    drains gradient transfers while the CPU step runs); so with the host step under the next
+    forward (``overlap_host_step``)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local:
