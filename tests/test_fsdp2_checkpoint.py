@@ -236,7 +236,7 @@ def test_fully_shard_over_data_parallel_times_tensor_parallel(tmp_path) -> None:
 def _memory(rank: int, world: int, folder: str) -> dict:
     """A 24M-parameter ``fully_shard`` model (12M per process, 144 MB of fp32 state): a
     consolidated or sharded save and load peak at most a bucket and a tensor over before."""
-    from test_checkpoint_memory import BUCKET_MB, LAYERS, WIDTH, Peak
+    from test_checkpoint_memory import BUCKET_MB, LAYERS, WIDTH
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -251,6 +251,13 @@ def _memory(rank: int, world: int, folder: str) -> dict:
     e.backward(model(torch.randn(4, WIDTH)).square().mean())
     e.step()
     e.zero_grad()
+    return _peaks(e, folder)
+
+
+def _peaks(e: ZeroOffload, folder: str) -> dict:
+    """``(save, load)`` peaks over before, sharded and consolidated, into ``folder``."""
+    from test_checkpoint_memory import Peak
+
     out = {}
     for name, sharded in (("sharded", True), ("consolidated", False)):
         path = f"{folder}/{name}" + ("" if sharded else ".pt")

@@ -96,7 +96,8 @@ class EngineState:
     # -- this rank's shard --------------------------------------------------------------------
     def shard(self, *, to_write: bool = False) -> dict:
         """This rank's shard; ``to_write``: with a device part, its group tensors as stand-ins
-        made a bucket at a time as they are written (else each joined in memory)."""
+        made a bucket at a time as they are written (else each joined in memory), and so the
+        master where it is FSDP2's host shards."""
         counters = self.stepper.state_dict()
         tp = {"tensor_parallel": self.tp_describe()} if self.tp_describe() is not None else {}
         return {
@@ -105,21 +106,27 @@ class EngineState:
             "precision": self.precision, "layout": self.layout.describe(),
             "rule": self.host.rule.KEY, "rule_options": self.host.rule.options,
             "moment_dtype": shard_view.saved_moment_dtype(self.buckets),
-            "groups": [{"step": counters["steps"][g],
-                        **self._group(g, to_write and bool(self.buckets.device()))}
+            "groups": [{"step": counters["steps"][g], **self._group(g, to_write)}
                        for g in range(len(self.group_sizes))],
             "param_steps": counters["param_steps"],
             "param_groups": [formats.group_hparams(g) for g in self.param_groups],
             "scaler": counters["scaler"],
         }
 
-    def _group(self, g: int, later: bool) -> dict:
-        if not later:
-            return {"master": shard_view.group_master(self.buckets, g),
-                    **formats.moments_fields(shard_view.group_moments(self.buckets, g))}
+    def _group(self, g: int, to_write: bool) -> dict:
         n = self.layout.group_shard_numel[g]
-        return {kind: stream.Later((n,), torch.float32, lambda kind=kind: shard_view.group_pieces(
-            self.buckets, g, kind)) for kind in ("master", *self.host.rule.names)}
+
+        def later(kind: str) -> stream.Later:
+            return stream.Later((n,), torch.float32,
+                                lambda: shard_view.group_pieces(self.buckets, g, kind))
+
+        if to_write and self.buckets.device():
+            return {kind: later(kind) for kind in ("master", *self.host.rule.names)}
+        # FSDP2's host shards (CPUOffloadPolicy) are the master: a bucket at a time, not joined
+        fsdp_host = not isinstance(self.host.master[g], Tensor)
+        return {"master": later("master") if to_write and fsdp_host else
+                shard_view.group_master(self.buckets, g),
+                **formats.moments_fields(shard_view.group_moments(self.buckets, g))}
 
     def load_shard(self, state: dict) -> None:
         self.saves.settle()  # a save in flight reads the state this changes
