@@ -18,7 +18,7 @@ hands it the decided plan, and joining it is landing it); there is no device par
 Gap in FSDP2's public API: the units a unit prefetches (``set_modules_to_forward_prefetch``)
 cannot be read back, and a prefetched unit is gathered in the prefetching unit's pre-forward; so
 each unit's pre-hook waits for its own buckets and those of the unit after it in forward order
-(FSDP2 prefetches none by default; torchtitan and Accelerate prefetch one ahead at most).
+(FSDP2 prefetches none in forward by default; a deeper explicit prefetch is not covered).
 """
 
 from __future__ import annotations
