@@ -94,10 +94,10 @@ class HostBuffers:
         self.rank = rank
         self.host = list(range(len(layout.buckets))) if host is None else list(host)
         self.numel = held_numel(layout, self.host)
+        self.owns_master = masters is None
         self.sizes = self._plan(accumulate)
         self.master: list = masters if masters is not None else [
             torch.zeros(k, pin_memory=self._pinned_master) for k in self.numel]
-        self.owns_master = masters is None
         self.moments: list[Moments] = []
         sets = 2 if delayed else 1
         self.staging: list[dict[int, Tensor] | None] = [None] * sets
@@ -114,7 +114,7 @@ class HostBuffers:
         return plan(self.layout, dtype, asynchronous=asynchronous, delayed=self._delayed,
                     pinned=pinned, rule=self.rule, moment_dtype=self.moment_dtype,
                     accumulate=accumulate, host=self.host,
-                    own_master=getattr(self, "owns_master", True))
+                    own_master=self.owns_master)
 
     def allocate(self) -> None:
         """Everything but the master: the rule's state, the gradient sets' staging and, where
